@@ -1,0 +1,289 @@
+"""Configuration: pydantic models declared once, loaded from TOML with environment overrides.
+
+Every field has its type, default, bounds and a docstring in one place. Environment variables
+override the file: ``ROLLOUT__<SECTION>__<FIELD>`` (double underscores separate levels), e.g.
+``ROLLOUT__KAFKA__BOOTSTRAP=10.0.0.5:9092`` or ``ROLLOUT__LEARNER__BATCH_SIZE=64``. Values from the
+environment are parsed as TOML values when they parse (numbers, booleans, arrays), else as strings.
+
+Errors name the file and the field: ``ConfigError: run.toml: learner.batch_size: Input should be
+greater than or equal to 1``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "ROLLOUT__"
+ROLES = ("scheduler", "inference", "sandbox", "reward", "learner")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the file and the field."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class KafkaConfig(Section):
+    bootstrap: str = "127.0.0.1:9092"
+    """Kafka bootstrap servers, comma separated host:port."""
+    partitions: dict[str, int] = Field(default_factory=dict)
+    """Partition count per topic suffix (e.g. {"tasks" = 6, "sandbox.requests" = 12}); others get `default_partitions`."""
+    default_partitions: int = Field(3, ge=1, le=10000)
+    """Partition count of topics not named in `partitions`."""
+    replication_factor: int = Field(1, ge=1, le=16)
+    """Replication factor of topics the engine creates."""
+    compression: Literal["none", "gzip", "lz4", "zstd", "snappy"] = "lz4"
+    """Producer compression codec."""
+    max_record_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest record the engine produces or accepts; larger ones go to the dead-letter topic."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """Kafka security protocol."""
+    sasl_mechanism: str | None = None
+    """SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) when the protocol uses SASL."""
+    sasl_username: str | None = None
+    """SASL user name."""
+    sasl_password: str | None = None
+    """SASL password (prefer the environment override over writing it in a file)."""
+    ssl_cafile: str | None = None
+    """CA bundle for SSL."""
+
+
+class NatsConfig(Section):
+    url: str = "nats://127.0.0.1:4222"
+    """NATS server URL(s), comma separated."""
+    weights_bucket: str = "weights"
+    """JetStream object store bucket holding weight files (prefixed by the namespace)."""
+    kv_bucket: str = "control"
+    """JetStream KV bucket holding the weight manifest and other small state (prefixed by the namespace)."""
+    credentials: str | None = None
+    """Path of a NATS .creds file."""
+    user: str | None = None
+    """NATS user name."""
+    password: str | None = None
+    """NATS password."""
+    token: str | None = None
+    """NATS auth token."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Hard timeout for any single NATS operation (connect, put, get of one chunk)."""
+
+
+class SchedulerConfig(Section):
+    domains: dict[str, float] = Field(default_factory=lambda: {"arith": 1.0})
+    """Domain name -> sampling weight (normalised)."""
+    group_size: int = Field(4, ge=1, le=1024)
+    """Samples generated per task (the GRPO group)."""
+    max_staleness: int = Field(2, ge=0)
+    """Off-policy bound: samples more than this many versions behind the learner are not admitted or trained."""
+    max_tasks: int | None = Field(None, ge=1)
+    """Stop admitting after this many tasks (None: run until stopped)."""
+    seed: int = 0
+    """Seed of the task generators and domain sampling."""
+    rebalance: bool = True
+    """Re-weight domains from observed statistics (zero-variance groups, throughput)."""
+    curriculum: bool = True
+    """Admit short/easy tasks first and lengthen with the observed success rate."""
+
+
+class InferenceConfig(Section):
+    backend: Literal["local", "sglang"] = "local"
+    """`local`: the embedded torch server of this project; `sglang`: an external SGLang server or router."""
+    urls: list[str] = Field(default_factory=list)
+    """SGLang server or router URLs (backend=sglang), or a running local server; empty: start one embedded."""
+    model_dir: str | None = None
+    """HF model directory served by the local backend; None: a tiny model built from a config."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Default generation length when the task does not say."""
+    temperature: float = Field(1.0, ge=0)
+    """Default sampling temperature."""
+    concurrency: int = Field(32, ge=1)
+    """Generations in flight per actor."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    """Hard timeout of one generate call."""
+    weight_sync_timeout_s: float = Field(60.0, gt=0)
+    """Hard timeout for fetching and applying one weight version."""
+
+
+class SandboxConfig(Section):
+    backend: Literal["bwrap", "docker"] = "bwrap"
+    """Sandbox backend."""
+    pool_size: int = Field(8, ge=0)
+    """Pre-warmed sandboxes."""
+    max_sandboxes: int = Field(64, ge=1)
+    """Most sandboxes open at once in this process."""
+    memory_mb: int = Field(256, ge=16)
+    """Memory limit per sandbox."""
+    pids: int = Field(64, ge=4)
+    """Process limit per sandbox."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock limit of one command."""
+
+
+class RewardConfig(Section):
+    group_timeout_s: float = Field(120.0, gt=0)
+    """A group still incomplete after this long is emitted with what arrived (stragglers dropped)."""
+    drop_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (no learning signal)."""
+    normalize: Literal["group", "group_std", "domain"] = "group_std"
+    """Advantage: reward minus group mean (`group`), divided by group std too (`group_std`), or by the domain's running std (`domain`)."""
+    format_weight: float = 0.0
+    """Weight of the domain's format term added to the reward."""
+    length_penalty: float = 0.0
+    """Penalty per generated token (encourages concise answers)."""
+
+
+class LearnerConfig(Section):
+    batch_size: int = Field(16, ge=1)
+    """Samples per optimizer step."""
+    lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
+    objective: Literal["tis", "decoupled_ppo"] = "tis"
+    """Off-policy correction: truncated importance sampling or the decoupled PPO objective."""
+    tis_cap: float = Field(2.0, gt=0)
+    """Truncation of the importance ratio for `tis`."""
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO clip range for `decoupled_ppo`."""
+    publish_every: int = Field(1, ge=1)
+    """Publish weights every k optimizer steps."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Checkpoint model, optimizer and offsets every k steps."""
+    checkpoint_dir: str = "runs/checkpoints"
+    """Where checkpoints are written."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (None: run until stopped)."""
+    seed: int = 0
+    """Torch seed."""
+
+
+class TelemetryConfig(Section):
+    tracing: bool = False
+    """Export OpenTelemetry traces (OTEL_* variables configure the exporter)."""
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP traces endpoint; None: OTEL_EXPORTER_OTLP_ENDPOINT or the SDK default."""
+    http_host: str = "127.0.0.1"
+    """Host the health/metrics/dashboard server binds (loopback by default)."""
+    http_port: int = Field(0, ge=0, le=65535)
+    """Port of the health/metrics/dashboard server (0: pick a free one)."""
+    control_token: str | None = None
+    """Token required by state-changing HTTP endpoints."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Heartbeat interval over NATS."""
+
+
+class SupervisionConfig(Section):
+    max_restarts: int = Field(5, ge=0)
+    """Restarts of one actor within `restart_window_s` before the supervisor gives up."""
+    restart_window_s: float = Field(60.0, gt=0)
+    """Window over which restarts are counted."""
+    backoff_initial_s: float = Field(0.2, gt=0)
+    """First restart delay; doubles each restart."""
+    backoff_max_s: float = Field(10.0, gt=0)
+    """Largest restart delay."""
+    drain_timeout_s: float = Field(30.0, gt=0)
+    """How long SIGTERM waits for in-flight work before cancelling."""
+
+
+class EngineConfig(Section):
+    """A whole deployment: one file configures every role."""
+
+    namespace: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """Prefix of every topic, bucket and subject, so several runs can share a cluster."""
+    roles: list[Literal["scheduler", "inference", "sandbox", "reward", "learner"]] = Field(
+        default_factory=lambda: list(ROLES))
+    """Roles this process runs (the CLI's --role overrides)."""
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    nats: NatsConfig = Field(default_factory=NatsConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> "EngineConfig":
+        if len(set(self.roles)) != len(self.roles):
+            raise ValueError(f"roles listed twice: {self.roles}")
+        return self
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Nested dict of overrides from ``ROLLOUT__SECTION__FIELD`` variables."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in key[len(ENV_PREFIX):].split("__") if p]
+        if not path:
+            continue
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment: {key} conflicts with another override")
+        node[path[-1]] = _parse_env_value(raw)
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def _format_error(source: str, exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"{source}: {loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, *, environ: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Load a TOML file (or defaults), apply environment overrides, validate.
+
+    Raises ConfigError naming the file and the field.
+    """
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: no such config file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    env = env_overrides(environ)
+    if env:
+        source += " (+ROLLOUT__* environment)"
+    data = _merge(_merge(data, env), overrides or {})
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(source, exc)) from None

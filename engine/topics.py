@@ -1,0 +1,78 @@
+"""Topic, bucket and subject names of one deployment, all under its namespace."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# topic suffix -> what it carries (docs/wire-schemas.md has the schemas)
+TOPIC_SUFFIXES = (
+    "tasks",
+    "tokens",
+    "sandbox.requests",
+    "sandbox.results",
+    "completions",
+    "outcomes",
+    "experience",
+    "dlq",
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Names:
+    """Every name a deployment uses, derived from its namespace."""
+
+    namespace: str
+
+    def topic(self, suffix: str) -> str:
+        if suffix not in TOPIC_SUFFIXES:
+            raise ValueError(f"unknown topic {suffix!r}; one of {TOPIC_SUFFIXES}")
+        return f"{self.namespace}.rollout.{suffix}"
+
+    @property
+    def tasks(self) -> str:
+        return self.topic("tasks")
+
+    @property
+    def tokens(self) -> str:
+        return self.topic("tokens")
+
+    @property
+    def sandbox_requests(self) -> str:
+        return self.topic("sandbox.requests")
+
+    @property
+    def sandbox_results(self) -> str:
+        return self.topic("sandbox.results")
+
+    @property
+    def completions(self) -> str:
+        return self.topic("completions")
+
+    @property
+    def outcomes(self) -> str:
+        return self.topic("outcomes")
+
+    @property
+    def experience(self) -> str:
+        return self.topic("experience")
+
+    @property
+    def dlq(self) -> str:
+        return self.topic("dlq")
+
+    def all_topics(self) -> list[str]:
+        return [self.topic(s) for s in TOPIC_SUFFIXES]
+
+    def group(self, role: str) -> str:
+        """Kafka consumer group of a role."""
+        return f"{self.namespace}.{role}"
+
+    def bucket(self, name: str) -> str:
+        """JetStream bucket names allow only [A-Za-z0-9_-]."""
+        return f"{self.namespace}-{name}".replace(".", "-")
+
+    def subject(self, *parts: str) -> str:
+        return ".".join((self.namespace, *parts))
+
+    WEIGHTS_KEY = "weights.latest"
+    LEARNER_VERSION_KEY = "learner.version"

@@ -1,0 +1,61 @@
+"""`rollout`: the one command-line entry point.
+
+Each sub-command lives in its own module and exposes ``register(subparsers)``; modules are imported
+only when their command runs, so `rollout infra status` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> (module, one-line help). The module's ``register(parser)`` adds its arguments and
+# sub-commands and sets ``func`` (a callable taking the parsed args and returning an exit code).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "infra": ("ops.cli_infra", "start, stop and inspect the local Kafka / NATS / Docker / bubblewrap stack"),
+    "run": ("ops.cli_run", "run the configured roles as a daemon (all roles by default)"),
+    "status": ("ops.cli_status", "live view of a running deployment"),
+    "sandbox": ("ops.cli_sandbox", "run commands in isolated sandboxes"),
+    "inference": ("ops.cli_inference", "serve the local SGLang-protocol inference backend"),
+    "loadtest": ("ops.cli_loadtest", "load tests: sandboxes, soak"),
+    "tasks": ("ops.cli_tasks", "publish tasks to a running deployment"),
+    "demo": ("ops.cli_demo", "the main job: a short real RL run on the local stack"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is not None and name != only:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            p.set_defaults(func=lambda _args, _n=name: _not_available(_n))
+            continue
+        module.register(p)
+    return parser
+
+
+def _not_available(name: str) -> int:
+    print(f"rollout: the '{name}' command is not built yet", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import only the module of the command being run (the first non-option argument).
+    only = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only if only in COMMANDS else None)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""`rollout loadtest sandboxes ...` (and, from another issue, `rollout loadtest soak`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+LOADTESTS = Path(__file__).resolve().parents[1] / "loadtests"
+
+
+def _load(name: str) -> ModuleType:
+    """A benchmark body from loadtests/ (a directory of scripts, not an installed package)."""
+    spec = importlib.util.spec_from_file_location(f"loadtests.{name}", LOADTESTS / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(LOADTESTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="loadtest_command", metavar="SUBCOMMAND")
+    sub.required = True
+    sb = sub.add_parser("sandboxes", help="acquire+exec+release cycles vs `docker run` in the same run")
+    sb.add_argument("--backend", choices=("bwrap", "docker"), default="bwrap")
+    sb.add_argument("--concurrency", type=int, default=4)
+    sb.add_argument("--duration", type=float, default=20.0, help="seconds of measured cycles")
+    sb.add_argument("--quick", action="store_true", help="a smoke run (5 s, 5 docker runs)")
+    sb.add_argument("--json", type=Path, default=None, help="write the figures as one flat JSON object")
+    sb.add_argument("--no-docker-baseline", action="store_true", help="skip the docker run baseline")
+    sb.set_defaults(func=_sandboxes)
+
+    # ---- `rollout loadtest soak`: reserved for the soak issue (leaked_processes, leaked_fds,
+    # ---- rss_growth_fraction). Add its sub-parser here.
+
+
+def _sandboxes(args: argparse.Namespace) -> int:
+    body = _load("sandboxes")
+    baseline = not args.no_docker_baseline
+    if baseline or args.backend == "docker":
+        from sandboxes.docker_backend import engine_available
+
+        if not engine_available():
+            print(
+                "rollout loadtest sandboxes: no Docker engine (DOCKER_HOST or /var/run/docker.sock); "
+                "start one with `rollout infra up --docker`, or pass --no-docker-baseline",
+                file=sys.stderr,
+            )
+            return 2
+    figures = asyncio.run(body.run(args.backend, args.concurrency, args.duration, args.quick, baseline))
+    print(body.table(figures))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    return 1 if figures["failures"] else 0

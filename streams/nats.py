@@ -1,0 +1,200 @@
+"""NATS JetStream adapter: object store that streams through files, KV put / get / watch.
+
+Large objects never pass through one message or one ``bytes`` value: ``put_file`` reads the file in
+chunks (nats-py publishes 128 KiB chunks) and ``get_file`` writes chunks into a file as they come
+(nats-py's ``get()`` without ``writeinto`` concatenates bytes: 64 MB takes 4x longer). Every
+operation has a hard timeout and raises ``NatsError`` naming what timed out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from engine.config import NatsConfig
+
+
+class NatsError(RuntimeError):
+    """A NATS operation that failed or timed out; the message says which."""
+
+
+def connect_options(cfg: NatsConfig) -> dict[str, Any]:
+    opts: dict[str, Any] = {"servers": cfg.url.split(","), "connect_timeout": min(cfg.timeout_s, 10.0),
+                            "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5,
+                            "allow_reconnect": True}
+    if cfg.credentials:
+        opts["user_credentials"] = cfg.credentials
+    if cfg.user:
+        opts["user"], opts["password"] = cfg.user, cfg.password
+    if cfg.token:
+        opts["token"] = cfg.token
+    return opts
+
+
+class Nats:
+    """One connection plus JetStream helpers; ``async with Nats(cfg) as n``."""
+
+    def __init__(self, cfg: NatsConfig) -> None:
+        self.cfg = cfg
+        self.nc: Client | None = None
+        self.js: JetStreamContext | None = None
+        self._object_stores: dict[str, ObjectStore] = {}
+        self._kvs: dict[str, KeyValue] = {}
+
+    async def connect(self) -> "Nats":
+        async def _err(exc: Exception) -> None:  # nats-py logs reconnect errors through this callback
+            pass
+
+        try:
+            with anyio.fail_after(self.cfg.timeout_s):
+                # The first connect must not retry forever: fail fast with a clear error.
+                self.nc = await nats.connect(**connect_options(self.cfg), error_cb=_err)
+        except TimeoutError:
+            raise NatsError(f"could not connect to NATS at {self.cfg.url} within {self.cfg.timeout_s}s") from None
+        except Exception as exc:  # nats-py raises many unrelated types on connect
+            raise NatsError(f"could not connect to NATS at {self.cfg.url}: {type(exc).__name__}: {exc}") from exc
+        self.js = self.nc.jetstream(timeout=self.cfg.timeout_s)
+        return self
+
+    async def __aenter__(self) -> "Nats":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Drain and close; idempotent."""
+        nc, self.nc = self.nc, None
+        if nc is not None and not nc.is_closed:
+            with anyio.move_on_after(5):
+                await nc.drain()
+            if not nc.is_closed:
+                await nc.close()
+
+    def _jetstream(self) -> JetStreamContext:
+        if self.js is None:
+            raise NatsError("not connected")
+        return self.js
+
+    # -- object store ------------------------------------------------------------------------------
+    async def object_store(self, bucket: str) -> ObjectStore:
+        if bucket not in self._object_stores:
+            js = self._jetstream()
+            with anyio.fail_after(self.cfg.timeout_s):
+                try:
+                    self._object_stores[bucket] = await js.object_store(bucket)
+                except (BucketNotFoundError, NotFoundError):
+                    self._object_stores[bucket] = await js.create_object_store(
+                        bucket, ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE))
+        return self._object_stores[bucket]
+
+    async def put_file(self, bucket: str, name: str, path: str | Path, timeout_s: float | None = None) -> dict[str, Any]:
+        """Stream a file into the object store; returns {name, size, sha256}."""
+        store = await self.object_store(bucket)
+        timeout = timeout_s or max(self.cfg.timeout_s, os.path.getsize(path) / (20 * 1024 * 1024))
+        sha = await anyio.to_thread.run_sync(_sha256_file, path)
+        try:
+            with anyio.fail_after(timeout), open(path, "rb") as f:
+                info = await store.put(name, f)
+        except TimeoutError:
+            raise NatsError(f"put of {name} into {bucket} timed out after {timeout:.0f}s") from None
+        return {"name": name, "size": info.size, "sha256": sha}
+
+    async def put_bytes(self, bucket: str, name: str, data: bytes) -> dict[str, Any]:
+        store = await self.object_store(bucket)
+        with anyio.fail_after(self.cfg.timeout_s):
+            info = await store.put(name, data)
+        return {"name": name, "size": info.size, "sha256": hashlib.sha256(data).hexdigest()}
+
+    async def get_file(self, bucket: str, name: str, path: str | Path, *, sha256: str | None = None,
+                       timeout_s: float | None = None) -> int:
+        """Stream an object into a file; checks its sha256 when given. Returns the size."""
+        store = await self.object_store(bucket)
+        timeout = timeout_s or self.cfg.timeout_s * 4
+        tmp = Path(f"{path}.part")
+        try:
+            with anyio.fail_after(timeout):
+                with open(tmp, "wb") as f:
+                    await store.get(name, writeinto=f)
+        except TimeoutError:
+            tmp.unlink(missing_ok=True)
+            raise NatsError(f"get of {name} from {bucket} timed out after {timeout:.0f}s") from None
+        except NotFoundError:
+            tmp.unlink(missing_ok=True)
+            raise NatsError(f"object {name} not found in bucket {bucket}") from None
+        if sha256 is not None:
+            got = await anyio.to_thread.run_sync(_sha256_file, tmp)
+            if got != sha256:
+                tmp.unlink(missing_ok=True)
+                raise NatsError(f"object {name}: sha256 {got} does not match the manifest's {sha256}")
+        os.replace(tmp, path)
+        return os.path.getsize(path)
+
+    async def delete_object(self, bucket: str, name: str) -> None:
+        store = await self.object_store(bucket)
+        with anyio.fail_after(self.cfg.timeout_s):
+            try:
+                await store.delete(name)
+            except NotFoundError:
+                pass
+
+    # -- key-value ---------------------------------------------------------------------------------
+    async def kv(self, bucket: str, history: int = 1) -> KeyValue:
+        if bucket not in self._kvs:
+            js = self._jetstream()
+            with anyio.fail_after(self.cfg.timeout_s):
+                try:
+                    self._kvs[bucket] = await js.key_value(bucket)
+                except (BucketNotFoundError, NotFoundError):
+                    self._kvs[bucket] = await js.create_key_value(
+                        KeyValueConfig(bucket=bucket, history=history, storage=StorageType.FILE))
+        return self._kvs[bucket]
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
+        kv = await self.kv(bucket)
+        with anyio.fail_after(self.cfg.timeout_s):
+            return await kv.put(key, value)
+
+    async def kv_get(self, bucket: str, key: str) -> bytes | None:
+        kv = await self.kv(bucket)
+        with anyio.fail_after(self.cfg.timeout_s):
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                return None
+        return entry.value
+
+    async def kv_watch(self, bucket: str, key: str) -> AsyncIterator[bytes]:
+        """Yield the current value (if any) and every later update of ``key``."""
+        kv = await self.kv(bucket)
+        watcher = await kv.watch(key)
+        try:
+            async for entry in watcher:
+                if entry is None:  # the marker after the initial values
+                    continue
+                if entry.value is None or entry.operation is not None:
+                    continue  # deletes and purges
+                yield entry.value
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await watcher.stop()
+
+
+def _sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,42 @@
+"""A consumer-group member run as its own process by the stream integration tests.
+
+Appends the message id of every record it processes to OUT (one per line, flushed) *before*
+acknowledging it, commits after each batch, and exits 0 on SIGTERM after a clean close. A SIGKILL
+therefore leaves processed-but-uncommitted records, which the group must re-deliver elsewhere.
+"""
+
+import argparse
+import os
+import signal
+
+import anyio
+
+from engine.config import KafkaConfig
+from streams.kafka import Consumer
+
+
+async def main(args: argparse.Namespace) -> None:
+    cfg = KafkaConfig(bootstrap=args.bootstrap)
+    stop = anyio.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    async with Consumer(cfg, topics=[args.topic], group=args.group, max_poll_records=200) as consumer:
+        with open(args.out, "a", buffering=1) as out:
+            out.write(f"#ready {os.getpid()}\n")
+            while not stop.is_set():
+                records = await consumer.getmany(timeout_s=0.2)
+                for r in records:
+                    out.write(r.message_id + "\n")
+                    r.ack()
+                if records:
+                    out.flush()
+                    os.fsync(out.fileno())
+                    await consumer.commit()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--group", required=True)
+    p.add_argument("--out", required=True)
+    anyio.run(main, p.parse_args())

@@ -1,0 +1,221 @@
+"""Adversarial suite for the bwrap backend: every attack stays inside, and the next sandbox is clean."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from sandboxes import Limits, SandboxPool, open_sandbox
+from sandboxes.bwrap import bwrap_path
+from sandboxes.reaper import leftover_processes
+from sandboxes.verifiers import verify_code, verify_terminal
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(bwrap_path() is None or os.geteuid() != 0, reason="needs bubblewrap and root"),
+]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[SandboxPool]:
+    async with SandboxPool("bwrap", Limits(memory_mb=128, pids=32, timeout_s=10), size=2, max_size=4) as p:
+        yield p
+
+
+@pytest.mark.anyio
+async def test_fork_bomb_is_contained_and_next_sandbox_works(pool: SandboxPool) -> None:
+    async with pool.acquire() as sb:
+        result = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 2", timeout=3)
+        assert "Cannot fork" in result.stderr or result.timed_out  # the pids limit held
+        assert not sb.cgroups.pids()  # type: ignore[attr-defined]
+    async with pool.acquire() as sb:
+        assert (await sb.exec("echo alive")).stdout == "alive\n"
+
+
+@pytest.mark.anyio
+async def test_memory_bomb_is_oom_killed() -> None:
+    async with open_sandbox("bwrap", Limits(memory_mb=64)) as sb:
+        result = await sb.exec(["python3", "-c", "x = bytearray(512 << 20); x[::4096] = b'x' * (len(x) // 4096)"])
+        assert result.oom_killed and not result.timed_out
+        assert result.exit_code == 137
+
+
+@pytest.mark.anyio
+async def test_cpu_spin_times_out_promptly() -> None:
+    async with open_sandbox("bwrap", Limits()) as sb:
+        result = await sb.exec(["python3", "-c", "while True: pass"], timeout=1.0)
+        assert result.timed_out and not result.oom_killed
+        assert result.duration_s < 3.0
+
+
+@pytest.mark.anyio
+async def test_background_children_die_at_timeout_and_at_exit() -> None:
+    marker = f"sbxmark{uuid.uuid4().hex[:8]}"
+    async with open_sandbox("bwrap", Limits()) as sb:
+        await sb.write_files({"m.sh": f"exec sleep 300 # {marker}\n"})
+        result = await sb.exec("setsid sh m.sh & nohup sh m.sh >/dev/null 2>&1 & sh m.sh", timeout=1)
+        assert result.timed_out
+        assert leftover_processes(marker) == []
+        result = await sb.exec("setsid sh m.sh & nohup sh m.sh >/dev/null 2>&1 & echo started")
+        assert result.stdout == "started\n" and not result.timed_out
+        assert leftover_processes(marker) == []
+
+
+@pytest.mark.anyio
+async def test_zombies_do_not_accumulate() -> None:
+    async with open_sandbox("bwrap", Limits(pids=32)) as sb:
+        script = "import os\nfor _ in range(200):\n    pid = os.fork()\n    if pid == 0: os._exit(0)\nprint('ok')\n"
+        for _ in range(3):
+            result = await sb.exec(["python3", "-c", script])
+            assert result.stdout.strip() == "ok" or result.exit_code != 0
+        assert (await sb.exec("echo fine")).stdout == "fine\n"
+    zombies = [p for p in os.listdir("/proc") if p.isdigit() and _state(p) == "Z" and _uid(p) >= 200_000]
+    assert zombies == []
+
+
+def _state(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _uid(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
+@pytest.mark.anyio
+async def test_stdout_flood_is_truncated_with_bounded_memory() -> None:
+    async with open_sandbox("bwrap", Limits(output_bytes=1 << 20)) as sb:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = await sb.exec("head -c 1000000000 /dev/zero", timeout=60)
+        grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        assert result.truncated and len(result.stdout) == 1 << 20
+        assert result.exit_code == 0 and not result.timed_out
+        assert grown_kb < 64 * 1024
+
+
+@pytest.mark.anyio
+async def test_no_network_egress() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    try:
+        async with open_sandbox("bwrap", Limits()) as sb:
+            code = (
+                "import socket\n"
+                "def attempt(f):\n"
+                "    try: f(); return 'OPEN'\n"
+                "    except OSError: return 'blocked'\n"
+                f"print(attempt(lambda: socket.create_connection(('127.0.0.1', {port}), timeout=2)))\n"
+                "print(attempt(lambda: socket.create_connection(('1.1.1.1', 53), timeout=2)))\n"
+                "print(attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('8.8.8.8', 53))))\n"
+                "print(attempt(lambda: socket.getaddrinfo('pypi.org', 443)))\n"
+            )
+            result = await sb.exec(["python3", "-c", code])
+            assert result.stdout.split() == ["blocked"] * 4, result
+    finally:
+        listener.close()
+
+
+@pytest.mark.anyio
+async def test_filesystem_and_secrets_are_out_of_reach(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLOUT_TEST_SECRET", "s3cr3t-value")
+    async with open_sandbox("bwrap", Limits()) as sb:
+        for cmd in ("echo x > /usr/evil", "echo x > /etc/passwd", "touch /evil", "cat /etc/shadow", "ls /root"):
+            assert (await sb.exec(cmd)).exit_code != 0, cmd
+        result = await sb.exec("env; cat /proc/1/environ")
+        assert "s3cr3t-value" not in result.stdout + result.stderr
+        assert (await sb.exec("echo ok > /work/f && cat /work/f")).stdout == "ok\n"
+
+
+@pytest.mark.anyio
+async def test_seccomp_refuses_namespace_and_ptrace_calls() -> None:
+    async with open_sandbox("bwrap", Limits()) as sb:
+        code = (
+            "import ctypes, os\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.unshare(0x10000000), ctypes.get_errno())\n"
+            "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"
+            "print(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())\n"
+        )
+        result = await sb.exec(["python3", "-c", code])
+        assert result.stdout.split() == ["-1", "1"] * 3, result
+
+
+@pytest.mark.anyio
+async def test_rm_rf_then_reset_gives_a_pristine_sandbox(pool: SandboxPool) -> None:
+    async with pool.acquire() as sb:
+        await sb.write_files({"keep.txt": "x"})
+        await sb.exec("rm -rf / 2>/dev/null; export LEAK=1; echo x > /tmp/t")
+        await sb.reset()
+        result = await sb.exec("ls -A /work /tmp; echo ${LEAK:-none}; python3 -c 'print(7)'")
+        assert result.stdout.split() == ["/tmp:", "/work:", "none", "7"] or result.stdout.split() == [
+            "/work:", "/tmp:", "none", "7"
+        ]
+
+
+@pytest.mark.anyio
+async def test_two_sandboxes_bind_the_same_port() -> None:
+    code = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 8080)); s.listen(); print('bound')"
+    async with open_sandbox("bwrap") as a, open_sandbox("bwrap") as b:
+        r1, r2 = await a.exec(["python3", "-c", code]), await b.exec(["python3", "-c", code])
+        assert (r1.stdout, r2.stdout) == ("bound\n", "bound\n")
+
+
+TESTS = {"tests": [{"name": "t1", "code": "from solution import f\nassert f(2) == 4"},
+                   {"name": "t2", "code": "from solution import f\nassert f(3) == 6"}], "timeout_s": 5}
+
+
+@pytest.mark.anyio
+async def test_code_verifier_scores_a_correct_program(pool: SandboxPool) -> None:
+    facts = await verify_code("```python\ndef f(x):\n    return 2 * x\n```", TESTS, pool)
+    assert (facts["passed"], facts["total"]) == (2, 2)
+    wrong = await verify_code("def f(x):\n    return x + 1\n", TESTS, pool)
+    assert wrong["passed"] == 0
+
+
+@pytest.mark.parametrize(
+    "hack",
+    [
+        "import os\nos._exit(0)\n",
+        "import sys\nsys.exit(0)\n",
+        "import shutil, os\nfor p in ('/verify/tests', '/verify'):\n    shutil.rmtree(p, ignore_errors=True)\ndef f(x): return 0\n",
+        "import os\nopen('/work/result.json', 'w').write('{\"passed\": 2}')\nprint('PASSED')\ndef f(x): return 0\n",
+        "import os, sys\nos._exit = lambda c: None\nsys.exit = lambda c=0: None\ndef f(x): return 0\n",
+        "import builtins, sys\nprint(sys.stdin.read())\nimport atexit\natexit.register(lambda: print('ok'))\ndef f(x): return 0\n",
+        "import os\ntry:\n    open('/verify/tests/test_0.py', 'w').write('pass')\nexcept OSError: pass\ndef f(x): return 0\n",
+    ],
+)
+@pytest.mark.anyio
+async def test_code_verifier_resists_reward_hacking(pool: SandboxPool, hack: str) -> None:
+    facts = await verify_code(hack, TESTS, pool)
+    assert facts["passed"] == 0, facts
+
+
+@pytest.mark.anyio
+async def test_terminal_episode_keeps_state_between_turns(pool: SandboxPool) -> None:
+    spec = {
+        "setup_files": {"in.txt": "hello world\n"},
+        "checks": [{"cmd": "grep -q hello /work/sub/out.txt"}, {"cmd": "test -f /work/missing"}],
+        "max_turns": 4,
+    }
+    completion = "```bash\nmkdir sub && cd sub\n```\n```bash\nexport SRC=/work/in.txt\n```\n```bash\ncp $SRC out.txt\n```"
+    facts = await verify_terminal(completion, spec, pool)
+    assert facts == {"checks_passed": 1, "checks_total": 2, "turns": 3}

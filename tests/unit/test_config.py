@@ -1,0 +1,47 @@
+import pytest
+
+from engine.config import ConfigError, EngineConfig, env_overrides, load_config
+
+
+def test_defaults_validate_and_every_field_has_a_docstring():
+    cfg = load_config(environ={})
+    assert cfg.namespace == "default"
+    for section in (cfg.kafka, cfg.nats, cfg.learner, cfg.scheduler, cfg.reward):
+        for name, field in type(section).model_fields.items():
+            assert field.description, f"{type(section).__name__}.{name} has no docstring"
+
+
+def test_file_and_environment_overrides(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('namespace = "exp1"\n[learner]\nbatch_size = 8\n[kafka]\nbootstrap = "h:1"\n')
+    cfg = load_config(f, environ={"ROLLOUT__LEARNER__BATCH_SIZE": "32", "ROLLOUT__KAFKA__COMPRESSION": "zstd"})
+    assert cfg.namespace == "exp1"
+    assert cfg.learner.batch_size == 32
+    assert cfg.kafka.bootstrap == "h:1" and cfg.kafka.compression == "zstd"
+
+
+def test_error_names_file_and_field(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[learner]\nbatch_size = 0\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(f, environ={})
+    assert str(f) in str(ei.value) and "learner.batch_size" in str(ei.value)
+
+
+def test_unknown_field_and_bad_toml_and_missing_file(tmp_path):
+    f = tmp_path / "x.toml"
+    f.write_text("[kafka]\nbootstrapp = 'typo'\n")
+    with pytest.raises(ConfigError, match="kafka.bootstrapp"):
+        load_config(f, environ={})
+    f.write_text("[kafka\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(f, environ={})
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_env_values_parse_as_toml_or_string():
+    env = env_overrides({"ROLLOUT__SCHEDULER__DOMAINS": '{arith = 1.0, code = 2.0}',
+                         "ROLLOUT__NATS__URL": "nats://x:1", "OTHER": "1"})
+    assert env == {"scheduler": {"domains": {"arith": 1.0, "code": 2.0}}, "nats": {"url": "nats://x:1"}}
+    assert EngineConfig.model_validate(env).scheduler.domains["code"] == 2.0
