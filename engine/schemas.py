@@ -321,6 +321,8 @@ class SandboxResult(Message):
     exit_code: int | None = None
     timed_out: bool = False
     error: str = ""
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """On ``close``: the verifier's final-state facts of the episode (terminal domain)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -352,6 +354,8 @@ class Completion(Message):
     turns: int = 1
     admitted_version: int = 0
     transcript: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    episode_facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Multi-turn episodes: the facts the sandbox actor returned when the episode closed."""
 
     def _check(self) -> None:
         _nonneg(self.SCHEMA, group_index=self.group_index, turns=self.turns)
@@ -403,6 +407,8 @@ class Experience(Message):
     group_size: int
     admitted_version: int = 0
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    filtered: str = ""
+    """Non-empty when the sample must be counted but not trained (e.g. ``zero_variance``, ``straggler``)."""
 
     def _check(self) -> None:
         _same_length(

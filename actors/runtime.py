@@ -1,0 +1,181 @@
+"""What every role gets from the process that runs it, and the loop shared by Kafka-consuming roles.
+
+``Runtime`` holds the process's connections (one producer, one NATS connection) and the names of
+the deployment; roles receive it and never know who built it (``ops/cli_run.py`` does).
+
+``StreamActor`` is the consume -> handle -> produce -> ack loop of the design:
+
+- records are handled concurrently, at most ``concurrency`` at a time;
+- a handler emits its outputs with ``emit``; the record is acknowledged only after every output is
+  acknowledged by the broker, and offsets are committed only for acknowledged records;
+- a handler that raises on a record dead-letters that record (reason ``handler_error``) and the
+  actor goes on; infrastructure failures (``StreamError``, ``NatsError``) propagate, crash the actor
+  and let the supervisor restart it, which re-delivers whatever was not committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import traceback
+from typing import Any, ClassVar
+
+import anyio
+
+from engine.actor import Actor
+from engine.config import EngineConfig
+from engine.schemas import Message
+from engine.topics import TOPIC_SUFFIXES, Names
+from streams.kafka import Consumer, Producer, Record, StreamError, ensure_topics
+from streams.nats import Nats, NatsError
+
+log = logging.getLogger("rollout.actors")
+
+INFRA_ERRORS = (StreamError, NatsError)
+
+
+class Runtime:
+    """Shared connections of one process. ``async with Runtime(cfg) as rt``."""
+
+    def __init__(self, cfg: EngineConfig, *, instance: str | None = None, use_nats: bool = True) -> None:
+        self.cfg = cfg
+        self.names = Names(cfg.namespace)
+        self.instance = instance or f"{socket.gethostname()}-{os.getpid()}"
+        self.producer = Producer(cfg.kafka, producer_id=f"{cfg.namespace}/{self.instance}")
+        self.nats: Nats | None = Nats(cfg.nats) if use_nats else None
+        self._started = False
+
+    def partitions(self, suffix: str) -> int:
+        return self.cfg.kafka.partitions.get(suffix, self.cfg.kafka.default_partitions)
+
+    async def start(self) -> "Runtime":
+        await ensure_topics(self.cfg.kafka, {self.names.topic(s): self.partitions(s) for s in TOPIC_SUFFIXES})
+        await self.producer.start()
+        if self.nats is not None:
+            await self.nats.connect()
+        self._started = True
+        return self
+
+    async def __aenter__(self) -> "Runtime":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.producer.close()
+            if self.nats is not None:
+                await self.nats.close()
+
+    def consumer(self, role: str, suffixes: list[str], expect: tuple[str, ...], **kw: Any) -> Consumer:
+        """A member of the role's consumer group on the given topics, dead-lettering poison records."""
+        return Consumer(self.cfg.kafka, topics=[self.names.topic(s) for s in suffixes],
+                        group=self.names.group(role), expect=expect, dead_letters=self.producer,
+                        dlq_topic=self.names.dlq, client_id=f"{role}-{self.instance}", **kw)
+
+    def require_nats(self) -> Nats:
+        if self.nats is None:
+            raise NatsError("this role needs NATS but the runtime was built without it")
+        return self.nats
+
+
+class StreamActor(Actor):
+    """Base of the roles that consume Kafka topics. Subclasses set ``topics``/``expect`` and ``handle``."""
+
+    topics: ClassVar[list[str]] = []
+    expect: ClassVar[tuple[str, ...]] = ()
+    concurrency: int = 64
+    commit_interval_s: float = 1.0
+
+    def __init__(self, rt: Runtime, name: str | None = None) -> None:
+        super().__init__(name)
+        self.rt = rt
+        self.consumer: Consumer | None = None
+        self._pending_emits: dict[int, list[asyncio.Future]] = {}
+        self.handled = 0
+        self.handler_errors = 0
+
+    def make_consumer(self) -> Consumer:
+        return self.rt.consumer(self.role, self.topics, self.expect, max_in_flight=self.concurrency * 4)
+
+    async def setup(self) -> None:
+        self.consumer = await self.make_consumer().start()
+
+    async def teardown(self) -> None:
+        if self.consumer is not None:
+            consumer, self.consumer = self.consumer, None
+            await consumer.close()
+
+    async def handle(self, record: Record) -> None:
+        """Process one record; produce outputs with ``emit``. Subclasses implement."""
+        raise NotImplementedError
+
+    def emit(self, record: Record, topic: str, message: Message, *, key: str | None = None,
+             partition: int | None = None, headers: dict[str, str] | None = None) -> str:
+        """Produce ``message`` as an effect of ``record``; the record is acked after it is. Returns its id."""
+        hdrs = dict(headers or {})
+        if record.traceparent and "traceparent" not in hdrs:
+            hdrs["traceparent"] = record.traceparent
+        fut, mid = self.rt.producer.send_nowait(topic, message, key=key, partition=partition, headers=hdrs)
+        self._pending_emits.setdefault(id(record), []).append(fut)
+        return mid
+
+    async def serve(self) -> None:
+        assert self.consumer is not None
+        limiter = anyio.Semaphore(self.concurrency)
+        last_commit = time.monotonic()
+        crash: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+            while not self.draining and not crash:
+                await self.rt.producer.wait_room()
+                records = await self.consumer.getmany(timeout_s=0.2, max_records=self.concurrency)
+                for record in records:
+                    await limiter.acquire()
+                    tg.start_soon(self._process, record, limiter, crash)
+                if time.monotonic() - last_commit >= self.commit_interval_s:
+                    await self.consumer.commit()
+                    last_commit = time.monotonic()
+                await self.tick()
+        # the task group waited for in-flight handlers: commit what they finished
+        if crash:
+            raise crash[0]
+        await self.consumer.commit()
+
+    async def tick(self) -> None:
+        """Called once per poll loop (timers, straggler checks). Default: nothing."""
+
+    async def _process(self, record: Record, limiter: anyio.Semaphore, crash: list[BaseException]) -> None:
+        try:
+            try:
+                await self.handle(record)
+                for fut in self._pending_emits.pop(id(record), []):
+                    await fut
+            except INFRA_ERRORS as exc:
+                crash.append(exc)
+                return
+            except Exception as exc:
+                self._pending_emits.pop(id(record), None)
+                self.handler_errors += 1
+                log.warning("%s: record %s[%d]@%d failed: %s", self.name, record.topic, record.partition,
+                            record.offset, exc)
+                try:
+                    await record.dead_letter("handler_error", "".join(
+                        traceback.format_exception_only(type(exc), exc)).strip())
+                except INFRA_ERRORS as dlq_exc:
+                    crash.append(dlq_exc)
+                return
+            record.ack()
+            self.handled += 1
+        finally:
+            limiter.release()
+
+    def statistics(self) -> dict[str, Any]:
+        stats = super().statistics()
+        stats.update(handled=self.handled, handler_errors=self.handler_errors)
+        if self.consumer is not None:
+            stats.update(self.consumer.statistics())
+        return stats
