@@ -1,0 +1,488 @@
+"""The local inference engine: continuous batching with chunked prefill over a Hugging Face causal LM.
+
+One scheduler task owns all generation state. Each iteration (a *step*), under the step lock:
+
+1. admit waiting sequences while fewer than ``max_batch`` are running;
+2. prefill: sequences with more than one token not yet in their KV cache get chunks, at most
+   ``chunk_size`` tokens per step in total, so a long prompt is processed chunk by chunk against its
+   growing cache (peak attention memory ~ chunk_size x prompt length, not prompt length squared);
+3. decode: every sequence with exactly one pending token (its last sampled one) runs in ONE batched
+   forward pass;
+4. sampling per sequence with its own parameters and seeded generator, then stop checks.
+
+The forward passes and sampling run in a worker thread (``anyio.to_thread``) so the event loop keeps
+serving HTTP. Aborts, pauses and weight updates take effect between steps: weight updates and pauses
+take the step lock, aborts are applied as soon as no step is in flight.
+
+Logprob convention (same as SGLang's default): the logprob of a sampled token is taken from
+``log_softmax(logits / T)`` (``T = 1`` for greedy), after the min_new_tokens stop-token mask and before
+top-k / top-p / min-p truncation. That is the behaviour logprob an RL learner needs for importance
+ratios when it evaluates its policy at the same temperature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from actors.inference.local.protocol import BadRequest, SamplingParams
+from actors.inference.local.runner import ForwardItem, KVCache, ModelRunner
+
+__all__ = ["EngineStatistics", "LocalEngine", "Sequence", "WeightUpdateError"]
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class WeightUpdateError(Exception):
+    """New weights could not be applied (the old ones stay in place)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation: its prompt, outputs so far, KV cache and finish state."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    top_logprobs_num: int = 0
+    created: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    token_versions: list[str] = field(default_factory=list)
+    cache: KVCache | None = None
+    finish_reason: dict[str, Any] | None = None
+    finished_at: float | None = None
+    weight_version: str = "default"
+    stop_trim_chars: int | None = None  # text length to keep when a stop string matched
+    abort_message: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    generator: torch.Generator | None = None
+    _stop_scan_from: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cached_len(self) -> int:
+        return 0 if self.cache is None else int(self.cache[0][0].shape[-2])
+
+    def pending_ids(self) -> list[int]:
+        """Tokens of prompt + output not yet in the KV cache."""
+        cached = self.cached_len
+        n_prompt = len(self.prompt_ids)
+        if cached >= n_prompt:
+            return self.output_ids[cached - n_prompt :]
+        return self.prompt_ids[cached:] + self.output_ids
+
+    async def wait_changed(self) -> None:
+        """Wait until new output or a finish is published, then re-arm."""
+        await self.changed.wait()
+        self.changed.clear()
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    """An immutable snapshot of the engine's counters."""
+
+    running: int
+    waiting: int
+    paused: bool
+    weight_version: str
+    steps: int
+    decode_tokens: int
+    prefill_tokens: int
+    finished: int
+
+
+@dataclass
+class _Sampled:
+    token: int
+    logprob: float
+    top: list[tuple[float, int]]
+
+
+class LocalEngine:
+    """Continuous-batching generation over one model; all public methods run on the event loop."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch: int = 32,
+        chunk_size: int = 512,
+        weight_version: str = "default",
+        model_path: str = "",
+    ) -> None:
+        if max_batch < 1 or chunk_size < 1:
+            raise ValueError("max_batch and chunk_size must be at least 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model)
+        self.max_batch = max_batch
+        self.chunk_size = chunk_size
+        self.weight_version = weight_version
+        self.model_path = model_path
+        self.vocab_size = int(model.config.vocab_size)
+        self.context_length = int(getattr(model.config, "max_position_embeddings", 4096))
+        eos = getattr(model.config, "eos_token_id", None)
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        self._special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._paused = False
+        self._stepping = False
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._steps = self._decode_tokens = self._prefill_tokens = self._finished = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start the scheduler task (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._scheduler(), name="local-engine-scheduler")
+
+    async def aclose(self) -> None:
+        """Abort everything and stop the scheduler (idempotent)."""
+        self._closed = True
+        self.abort_all("server shutting down")
+        self._wake.set()
+        if self._task is not None:
+            task, self._task = self._task, None
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            paused=self._paused,
+            weight_version=self.weight_version,
+            steps=self._steps,
+            decode_tokens=self._decode_tokens,
+            prefill_tokens=self._prefill_tokens,
+            finished=self._finished,
+        )
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None, top_logprobs_num: int = 0) -> Sequence:
+        """Queue a generation and return its :class:`Sequence` (watch it with ``wait_changed``)."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if len(prompt_ids) >= self.context_length:
+            raise BadRequest(
+                f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        seq = Sequence(
+            rid=rid or secrets.token_hex(16),
+            prompt_ids=list(prompt_ids),
+            params=params,
+            top_logprobs_num=top_logprobs_num,
+            weight_version=self.weight_version,
+        )
+        if not params.greedy:
+            seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
+            seq.generator = torch.Generator().manual_seed(seed)
+        if params.max_new_tokens == 0:
+            self._finish(seq, {"type": "length", "length": 0})
+            return seq
+        self._waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def abort(self, rid: str, message: str = "Aborted by /abort_request.") -> int:
+        """Abort every queued or running sequence whose rid starts with ``rid``; return how many."""
+        return self._abort_where(lambda s: s.rid.startswith(rid), message)
+
+    def abort_all(self, message: str = "Aborted by abort_all.") -> int:
+        return self._abort_where(lambda s: True, message)
+
+    def _abort_where(self, match: Callable[[Sequence], bool], message: str) -> int:
+        count = 0
+        for seq in [s for s in self._waiting if match(s)]:
+            self._waiting.remove(seq)
+            self._finish(seq, _abort_reason(message))
+            count += 1
+        for seq in self._running:
+            if match(seq) and seq.abort_message is None:
+                seq.abort_message = message
+                count += 1
+        if not self._stepping:
+            self._apply_aborts()
+        return count
+
+    def _apply_aborts(self) -> None:
+        for seq in [s for s in self._running if s.abort_message is not None]:
+            self._running.remove(seq)
+            self._finish(seq, _abort_reason(seq.abort_message or "aborted"))
+
+    # ---------------------------------------------------------------- pause / weights
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop stepping; returns once no step is in flight.
+
+        ``abort`` aborts every request in flight; ``retract`` drops the running sequences' KV caches and
+        requeues them (they are re-prefilled, prompt + output so far, after ``continue_``); ``in_place``
+        keeps everything as it is.
+        """
+        self._paused = True
+        async with self._step_lock:
+            if mode == "abort":
+                self.abort_all("Aborted by /pause_generation (mode=abort).")
+            elif mode == "retract":
+                for seq in reversed(self._running):
+                    seq.cache = None
+                    self._waiting.appendleft(seq)
+                self._running.clear()
+
+    def continue_(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None, abort_all: bool = False) -> int:
+        """Load weights from a HF model directory (or one safetensors file) between two steps.
+
+        Running requests continue with the new weights; returns how many were in flight (paused for
+        the swap). Raises :class:`WeightUpdateError` and keeps the old weights if the checkpoint does not
+        fit the model.
+        """
+        state = await anyio.to_thread.run_sync(_load_state_dict, Path(model_path))
+        expected = self.model.state_dict()
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        missing = [k for k in expected if k not in state and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in state if k not in expected]
+        wrong = [k for k, v in state.items() if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+        if missing or unexpected or wrong:
+            raise WeightUpdateError(
+                f"checkpoint at {model_path} does not fit the served model: missing={missing[:5]} "
+                f"unexpected={unexpected[:5]} wrong_shape={wrong[:5]}"
+            )
+        if abort_all:
+            self.abort_all("Aborted by a weight update (abort_all_requests).")
+        async with self._step_lock:
+            in_flight = len(self._running)
+            await anyio.to_thread.run_sync(lambda: self.model.load_state_dict(state, strict=False))
+            self.model_path = model_path
+            if weight_version is not None:
+                self.weight_version = weight_version
+        return in_flight
+
+    # ---------------------------------------------------------------- scheduler
+
+    async def _scheduler(self) -> None:
+        while True:
+            while self._paused or not (self._waiting or self._running):
+                self._wake.clear()
+                await self._wake.wait()
+            async with self._step_lock:
+                if self._paused:
+                    continue
+                while self._waiting and len(self._running) < self.max_batch:
+                    self._running.append(self._waiting.popleft())
+                prefill, decode = self._plan()
+                if not prefill and not decode:
+                    continue
+                version = self.weight_version
+                self._stepping = True
+                try:
+                    sampled = await anyio.to_thread.run_sync(self._step_sync, prefill, decode)
+                except Exception as exc:  # a failed forward must not kill the server: fail its sequences
+                    log.exception("generation step failed")
+                    for seq, _ in prefill:
+                        seq.abort_message = f"internal error in a generation step: {exc!r}"
+                    for seq in decode:
+                        seq.abort_message = f"internal error in a generation step: {exc!r}"
+                    sampled = {}
+                finally:
+                    self._stepping = False
+                self._steps += 1
+                for seq, result in sampled.items():
+                    self._append(seq, result, version)
+                self._apply_aborts()
+
+    def _plan(self) -> tuple[list[tuple[Sequence, list[int]]], list[Sequence]]:
+        prefill: list[tuple[Sequence, list[int]]] = []
+        decode: list[Sequence] = []
+        budget = self.chunk_size
+        for seq in self._running:
+            pending = seq.pending_ids()
+            if len(pending) == 1:
+                decode.append(seq)
+            elif len(pending) > 1 and budget > 0:
+                chunk = pending[:budget]
+                budget -= len(chunk)
+                prefill.append((seq, chunk))
+        return prefill, decode
+
+    def _step_sync(self, prefill: list[tuple[Sequence, list[int]]], decode: list[Sequence]) -> dict[Sequence, _Sampled]:
+        """Worker-thread part of a step: forward passes, cache updates, sampling."""
+        sampled: dict[Sequence, _Sampled] = {}
+        if prefill:
+            # A prefill chunk that completes a sequence's pending tokens yields its next-token logits.
+            done = [len(chunk) == len(seq.pending_ids()) for seq, chunk in prefill]
+            logits, caches = self.runner.forward([ForwardItem(seq.cache, chunk) for seq, chunk in prefill])
+            for (seq, chunk), cache, row, complete in zip(prefill, caches, logits, done):
+                seq.cache = cache
+                self._prefill_tokens += len(chunk)
+                if complete:
+                    sampled[seq] = self._sample(seq, row)
+        if decode:
+            logits, caches = self.runner.forward([ForwardItem(seq.cache, seq.pending_ids()) for seq in decode])
+            for seq, cache, row in zip(decode, caches, logits):
+                seq.cache = cache
+                sampled[seq] = self._sample(seq, row)
+            self._decode_tokens += len(decode)
+        return sampled
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> _Sampled:
+        params = seq.params
+        if len(seq.output_ids) < params.min_new_tokens:
+            blocked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if blocked and len(blocked) < logits.numel():  # masking every token would leave nothing to sample
+                logits = logits.clone()
+                logits[list(blocked)] = float("-inf")
+        temperature = params.temperature if params.temperature > 0 else 1.0
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        if params.greedy:
+            token = int(torch.argmax(logits))
+        else:
+            probs = logprobs.exp()
+            if params.top_k > 0 and params.top_k < probs.numel():
+                kth = torch.topk(probs, params.top_k).values[-1]
+                probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+            if params.top_p < 1.0:
+                sorted_probs, order = torch.sort(probs, descending=True)
+                cumulative = torch.cumsum(sorted_probs, dim=0) / sorted_probs.sum()
+                # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+                drop = (cumulative - sorted_probs / sorted_probs.sum()) >= params.top_p
+                sorted_probs[drop] = 0.0
+                probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+            if params.min_p > 0.0:
+                probs = torch.where(probs >= probs.max() * params.min_p, probs, torch.zeros_like(probs))
+            token = int(torch.multinomial(probs, 1, generator=seq.generator))
+        top: list[tuple[float, int]] = []
+        if seq.top_logprobs_num > 0:
+            values, indices = torch.topk(logprobs, min(seq.top_logprobs_num, logprobs.numel()))
+            top = [(float(v), int(i)) for v, i in zip(values, indices)]
+        return _Sampled(token=token, logprob=float(logprobs[token]), top=top)
+
+    def _append(self, seq: Sequence, sampled: _Sampled, version: str) -> None:
+        if seq.finished:
+            return
+        seq.output_ids.append(sampled.token)
+        seq.logprobs.append(sampled.logprob)
+        seq.token_versions.append(version)
+        if seq.top_logprobs_num > 0:
+            seq.top_logprobs.append(sampled.top)
+        seq.weight_version = self.weight_version
+        reason = self._finish_reason(seq, sampled.token)
+        if reason is not None and seq.abort_message is None:
+            self._running.remove(seq)
+            self._finish(seq, reason)
+        else:
+            seq.changed.set()
+
+    def _finish_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_ids:
+            return {"type": "stop", "matched": token}
+        if token in params.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if params.stop:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
+            longest = max(len(s) for s in params.stop)
+            start = max(0, seq._stop_scan_from - longest + 1)
+            hits = [(pos, s) for s in params.stop if (pos := text.find(s, start)) >= 0]
+            seq._stop_scan_from = len(text)
+            if hits:
+                pos, stop = min(hits)
+                seq.stop_trim_chars = pos
+                return {"type": "stop", "matched": stop}
+        if len(seq.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        if len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length:
+            return {"type": "length", "length": len(seq.output_ids)}
+        return None
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        seq.finish_reason = reason
+        seq.finished_at = time.monotonic()
+        seq.weight_version = self.weight_version
+        seq.cache = None
+        self._finished += 1
+        seq.changed.set()
+
+    # ---------------------------------------------------------------- output
+
+    def output_text(self, seq: Sequence) -> str:
+        """The text SGLang would return for ``seq`` now (stop strings and stop tokens trimmed)."""
+        params = seq.params
+        ids = seq.output_ids
+        reason = seq.finish_reason or {}
+        if (
+            reason.get("type") == "stop"
+            and isinstance(reason.get("matched"), int)
+            and not params.no_stop_trim
+            and ids
+            and ids[-1] not in self._special_ids
+        ):
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        if seq.stop_trim_chars is not None and not params.no_stop_trim:
+            text = text[: seq.stop_trim_chars]
+        return text
+
+
+def _abort_reason(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": 200, "err_type": None}
+
+
+def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Read safetensors weights from a HF model directory (single or sharded) or a ``.safetensors`` file."""
+    if path.is_file():
+        return load_file(str(path))
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(str(path / shard)))
+        return state
+    raise WeightUpdateError(f"no model.safetensors or model.safetensors.index.json under {path}")

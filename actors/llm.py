@@ -1,0 +1,133 @@
+"""Model and tokenizer construction shared by the learner and the local inference backend.
+
+Everything here is built locally and deterministically (nothing is downloaded):
+
+- :func:`build_char_tokenizer` makes a character-level ``PreTrainedTokenizerFast`` whose vocabulary is
+  four special tokens (``<pad>`` ``<s>`` ``</s>`` ``<unk>``, ids 0-3) followed by printable ASCII, newline
+  and tab, enough for digits, arithmetic, Python code and shell text. Encoding adds no special tokens, so
+  ``decode(encode(text)) == text`` for any text in the character set (token-in-token-out is exact).
+- :func:`tiny_config` / :func:`build_tiny_model` make a small Llama-architecture causal LM; the learner
+  trains and the inference server serves the same Hugging Face class.
+- :func:`save_model_dir` / :func:`load_model_dir` use the Hugging Face layout: ``config.json``,
+  ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<s>", "</s>", "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+CHARSET: tuple[str, ...] = tuple(chr(c) for c in range(32, 127)) + ("\n", "\t")
+
+__all__ = [
+    "CHARSET",
+    "SPECIAL_TOKENS",
+    "build_char_tokenizer",
+    "build_tiny_model",
+    "load_model_dir",
+    "save_model_dir",
+    "tiny_config",
+    "write_tiny_model_dir",
+]
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """Return the character-level tokenizer (deterministic: the vocabulary is fixed, no training)."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARSET)}
+    # A BPE model with no merges splits a string into single characters, and with no pre-tokenizer the
+    # spaces stay ordinary characters; Fuse joins decoded tokens without inserting spaces.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=1 << 30,
+    )
+
+
+def tiny_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 4096,
+    initializer_range: float = 0.1,
+    attn_implementation: str = "sdpa",
+) -> LlamaConfig:
+    """A small Llama config; ids of the special tokens follow :func:`build_char_tokenizer`.
+
+    ``initializer_range`` is larger than Llama's 0.02 so that an untrained model's next-token
+    distributions are not nearly flat: greedy decoding then has clear winners, and batched vs
+    sequential decoding agree despite float rounding.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        pad_token_id=SPECIAL_TOKENS.index(PAD_TOKEN),
+        bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
+        eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def build_tiny_model(config: LlamaConfig, *, seed: int = 0) -> PreTrainedModel:
+    """Build a randomly initialised causal LM from ``config``; the same seed gives the same weights.
+
+    The global torch RNG is left as it was (initialisation runs inside ``torch.random.fork_rng``).
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=config._attn_implementation or "sdpa", dtype=torch.float32
+        )
+    model.eval()
+    return model
+
+
+def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: str | os.PathLike[str]) -> Path:
+    """Write ``model`` and ``tokenizer`` to ``path`` in Hugging Face layout and return the path."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def load_model_dir(
+    path: str | os.PathLike[str], *, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Load a model directory written by :func:`save_model_dir` (or any local HF causal-LM directory)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
+    )
+    model.eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return model, tokenizer
+
+
+def write_tiny_model_dir(path: str | os.PathLike[str], *, seed: int = 0, **config_overrides: object) -> Path:
+    """Build the char tokenizer and a tiny model (``tiny_config`` keyword overrides) and save both to ``path``."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tiny_config(len(tokenizer), **config_overrides), seed=seed)  # type: ignore[arg-type]
+    return save_model_dir(model, tokenizer, path)

@@ -1,0 +1,156 @@
+"""Load test of the local inference engine: batching throughput and chunked-prefill memory.
+
+1. Throughput: output tokens/s of the in-process engine with 1, 8 and 32 concurrent request streams
+   (each stream issues its requests back to back), compared with one request at a time (c1).
+2. Prefill memory: peak RSS growth of prefilling one prompt of 1k..32k tokens with chunked prefill
+   (chunks of 512 against the growing KV cache) vs a single full-length pass through the same runner.
+   Each measurement runs in a fresh subprocess (RSS high-water mark is per process) under an
+   address-space limit, so a full pass that would exhaust the machine is reported as failing, not fatal.
+
+    python loadtests/inference.py [--quick] [--json PATH]
+
+Headline keys: tokens_per_s_c1, tokens_per_s_c8, tokens_per_s_c32, concurrency_speedup_c32,
+prefill_peak_mb_chunked_<n>, prefill_peak_mb_full_<n> (null when the full pass exceeded the limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+CHUNK = 512
+MEMORY_LIMIT_GB = 16  # child address-space cap: leaves room on a 24 GiB machine
+
+
+def _engine_and_tokenizer(max_batch: int):  # type: ignore[no-untyped-def]
+    from actors.inference.local.engine import LocalEngine
+    from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tiny_config(len(tok)), seed=0)
+    return LocalEngine(model, tok, max_batch=max_batch, chunk_size=CHUNK), tok
+
+
+async def _throughput(concurrency: int, requests_per_stream: int, new_tokens: int) -> float:
+    from actors.inference.local.protocol import SamplingParams
+
+    engine, tok = _engine_and_tokenizer(max_batch=max(concurrency, 1))
+    await engine.start()
+    prompt = tok.encode("def solve(xs):\n    return sorted(xs)[::-1]  # ")
+
+    async def stream(i: int) -> int:
+        produced = 0
+        for j in range(requests_per_stream):
+            params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, sampling_seed=i * 1000 + j)
+            seq = engine.submit(prompt, params)
+            while not seq.finished:
+                await seq.wait_changed()
+            produced += len(seq.output_ids)
+        return produced
+
+    try:
+        await stream(-1)  # warm-up
+        start = time.perf_counter()
+        total = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
+        return total / (time.perf_counter() - start)
+    finally:
+        await engine.aclose()
+
+
+def _prefill_child(mode: str, length: int) -> None:
+    """Child process: print the peak RSS growth (MB) of one prefill of ``length`` tokens."""
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_GB << 30, MEMORY_LIMIT_GB << 30))
+    import torch
+
+    from actors.inference.local.runner import ForwardItem, ModelRunner
+    from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tiny_config(len(tok), max_position_embeddings=65536), seed=0)
+    runner = ModelRunner(model)
+    ids = torch.randint(4, len(tok), (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner.forward([ForwardItem(None, ids[:CHUNK])])  # warm-up at the chunk size
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    try:
+        if mode == "chunked":
+            cache = None
+            for i in range(0, length, CHUNK):
+                _, [cache] = runner.forward([ForwardItem(cache, ids[i : i + CHUNK])])
+        else:
+            runner.forward([ForwardItem(None, ids)])
+    except (RuntimeError, MemoryError) as exc:
+        print(json.dumps({"peak_mb": None, "seconds": time.perf_counter() - start, "error": str(exc)[:200]}))
+        return
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": (after - before) / 1024, "seconds": time.perf_counter() - start}))
+
+
+def _prefill(mode: str, length: int) -> dict[str, float | None]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--prefill-child", mode, str(length)], capture_output=True, text=True, cwd=REPO
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not lines:  # killed (e.g. by the OOM killer) before it could report
+        return {"peak_mb": None, "seconds": None}
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run under a minute")
+    parser.add_argument("--json", type=Path, help="write the figures as one flat JSON object")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1: for a tiny model, more threads only add sync overhead)"
+    )
+    parser.add_argument("--prefill-child", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.prefill_child:
+        _prefill_child(args.prefill_child[0], int(args.prefill_child[1]))
+        return 0
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    new_tokens = 32 if args.quick else 64
+    per_stream = {1: 4 if args.quick else 8, 8: 2, 32: 1} if args.quick else {1: 16, 8: 4, 32: 2}
+    figures: dict[str, float | None] = {"torch_threads": args.threads}
+    print(f"{'concurrency':>12} {'requests':>9} {'tokens/s':>10}")
+    for c in (1, 8, 32):
+        tps = asyncio.run(_throughput(c, per_stream[c], new_tokens))
+        figures[f"tokens_per_s_c{c}"] = round(tps, 1)
+        print(f"{c:>12} {c * per_stream[c]:>9} {tps:>10.1f}")
+    figures["concurrency_speedup_c8"] = round(figures["tokens_per_s_c8"] / figures["tokens_per_s_c1"], 2)  # type: ignore[operator]
+    figures["concurrency_speedup_c32"] = round(figures["tokens_per_s_c32"] / figures["tokens_per_s_c1"], 2)  # type: ignore[operator]
+    print(f"speedup c32 / c1: {figures['concurrency_speedup_c32']}x   (c8 / c1: {figures['concurrency_speedup_c8']}x)\n")
+
+    lengths = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
+    print(f"{'prompt':>8} {'chunked MB':>11} {'chunked s':>10} {'full MB':>9} {'full s':>8}")
+    for n in lengths:
+        chunked, full = _prefill("chunked", n), _prefill("full", n)
+        figures[f"prefill_peak_mb_chunked_{n}"] = None if chunked["peak_mb"] is None else round(chunked["peak_mb"], 1)
+        figures[f"prefill_peak_mb_full_{n}"] = None if full["peak_mb"] is None else round(full["peak_mb"], 1)
+        figures[f"prefill_s_chunked_{n}"] = None if chunked["seconds"] is None else round(chunked["seconds"], 2)
+        figures[f"prefill_s_full_{n}"] = None if full["seconds"] is None else round(full["seconds"], 2)
+
+        def fmt(v: float | None, width: int) -> str:
+            return f"{'fail':>{width}}" if v is None else f"{v:>{width}.1f}"
+
+        print(f"{n:>8} {fmt(chunked['peak_mb'], 11)} {fmt(chunked['seconds'], 10)} {fmt(full['peak_mb'], 9)} {fmt(full['seconds'], 8)}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""`rollout inference serve`: run the local SGLang-protocol inference server.
+
+Once the socket listens, one JSON line goes to stdout: ``{"event": "listening", "host": ..., "port": ...,
+"url": ...}`` (so ``--port 0`` is usable: read the line, then poll ``/health_generate`` until 200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="inference_command", metavar="SUBCOMMAND")
+    sub.required = True
+    serve = sub.add_parser("serve", help="serve a causal LM over SGLang's native HTTP API (CPU, torch)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default: 30000)")
+    serve.add_argument(
+        "--model-dir", default=None, help="HF model directory; default: a tiny seeded model built in a temp dir"
+    )
+    serve.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together (default: 32)")
+    serve.add_argument(
+        "--chunk-size", type=int, default=512, help="prefill tokens per scheduler step, all prompts together (default: 512)"
+    )
+    serve.add_argument("--seed", type=int, default=0, help="seed of the generated tiny model (default: 0)")
+    serve.add_argument("--weight-version", default="default", help="initial weight version (default: 'default')")
+    serve.add_argument(
+        "--torch-threads", type=int, default=0, help="torch intra-op threads; 0 keeps torch's default (default: 0)"
+    )
+    serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from actors.inference.local.server import ServerConfig, serve
+
+    if args.max_batch < 1 or args.chunk_size < 1:
+        print("rollout inference serve: --max-batch and --chunk-size must be at least 1", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        model_dir=args.model_dir,
+        max_batch=args.max_batch,
+        chunk_size=args.chunk_size,
+        seed=args.seed,
+        weight_version=args.weight_version,
+    )
+
+    def announce(host: str, port: int) -> None:
+        line = {"event": "listening", "host": host, "port": port, "url": f"http://{host}:{port}"}
+        print(json.dumps(line), flush=True)
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        # SIGTERM drains like Ctrl-C: the server task is cancelled and cleans up (aborts, temp model dir).
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        await serve(config, on_bound=announce)
+
+    try:
+        asyncio.run(main())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
+    return 0

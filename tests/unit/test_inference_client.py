@@ -1,0 +1,214 @@
+"""SGLangClient against in-process fake servers: SSE parsing, routing, retries, error classification."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from actors.inference.sglang_client import (
+    ROUTING_HEADER,
+    SGLangClient,
+    SGLangConnectionError,
+    SGLangHTTPError,
+    SGLangProtocolError,
+    SGLangWeightUpdateError,
+    SSEParser,
+    is_retryable_status,
+    pick_server,
+)
+
+Handler = Callable[[web.Request], Any]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _result(ids: list[int], finish: dict[str, Any] | None) -> dict[str, Any]:
+    meta = {"id": "r", "finish_reason": finish, "prompt_tokens": 2, "completion_tokens": len(ids), "weight_version": "7",
+            "output_token_logprobs": [[-0.5, t, None] for t in ids]}
+    return {"text": "x" * len(ids), "output_ids": ids, "meta_info": meta}
+
+
+async def _serve(routes: dict[str, Handler]) -> TestServer:
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_route("*", path, handler)
+    server = TestServer(app, port=0)
+    await server.start_server()
+    return server
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Callable[[dict[str, Handler]], Any]]:
+    servers: list[TestServer] = []
+
+    async def make(routes: dict[str, Handler]) -> str:
+        server = await _serve(routes)
+        servers.append(server)
+        return str(server.make_url("")).rstrip("/")
+
+    yield make
+    for server in servers:
+        await server.close()
+
+
+# ------------------------------------------------------------------------ pure functions
+
+
+def test_sse_parser_handles_split_chunks_crlf_comments_and_multiline() -> None:
+    parser = SSEParser()
+    stream = b': keep-alive\n\ndata: {"a": 1}\r\n\r\ndata: line1\ndata: line2\n\ndata: [DONE]\n\n'
+    events: list[str] = []
+    for i in range(0, len(stream), 3):  # byte-by-byte-ish delivery
+        events += parser.feed(stream[i : i + 3])
+    assert events == ['{"a": 1}', "line1\nline2", "[DONE]"]
+    parser.feed(b"data: tail")
+    assert parser.close() == ["tail"]
+
+
+def test_routing_is_stable_and_spreads_keys() -> None:
+    urls = ["http://a", "http://b", "http://c"]
+    picks = {k: pick_server(urls, k) for k in (f"episode-{i}" for i in range(300))}
+    assert all(pick_server(urls, k) == u for k, u in picks.items())
+    counts = {u: list(picks.values()).count(u) for u in urls}
+    assert min(counts.values()) > 60
+    assert pick_server(urls, "episode-1") == pick_server(list(urls), "episode-1")
+
+
+def test_retryable_statuses() -> None:
+    assert [s for s in (200, 400, 404, 408, 429, 500, 502, 503) if is_retryable_status(s)] == [408, 429, 500, 502, 503]
+
+
+# ------------------------------------------------------------------------ against fake servers
+
+
+@pytest.mark.anyio
+async def test_generate_routes_by_key_and_sends_the_routing_header(fake) -> None:  # type: ignore[no-untyped-def]
+    seen: dict[str, list[str | None]] = {"a": [], "b": []}
+
+    def handler(name: str) -> Handler:
+        async def generate(request: web.Request) -> web.Response:
+            seen[name].append(request.headers.get(ROUTING_HEADER))
+            return web.json_response(_result([1, 2], {"type": "length", "length": 2}))
+
+        return generate
+
+    urls = [await fake({"/generate": handler("a")}), await fake({"/generate": handler("b")})]
+    async with SGLangClient(urls) as client:
+        for _ in range(3):
+            result = await client.generate([1, 2], key="episode-42")
+        assert result.output_ids == [1, 2] and result.logprobs == [-0.5, -0.5] and result.weight_version == "7"
+        target = "a" if pick_server(urls, "episode-42") == urls[0] else "b"
+        assert seen[target] == ["episode-42"] * 3
+        await client.generate([1])  # no key: round-robin, no header
+    assert None in seen["a"] + seen["b"]
+
+
+@pytest.mark.anyio
+async def test_stream_parses_cumulative_chunks_and_mid_stream_errors(fake) -> None:  # type: ignore[no-untyped-def]
+    async def good(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for ids, finish in (([5], None), ([5, 6], None), ([5, 6, 7], {"type": "stop", "matched": 7})):
+            await resp.write(b"data: " + json.dumps(_result(ids, finish)).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps(_result([5], None)).encode() + b"\n\n")
+        await resp.write(b'data: {"error": {"message": "CUDA out of memory"}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def truncated(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps(_result([5], None)).encode() + b"\n\n")
+        return resp
+
+    async with SGLangClient([await fake({"/generate": good})]) as client:
+        chunks = [c async for c in client.generate_stream([1, 2])]
+    assert [c.output_ids for c in chunks] == [[5], [5, 6], [5, 6, 7]]
+    assert chunks[-1].finish_reason == {"type": "stop", "matched": 7} and not chunks[0].finished
+    for handler, error in ((broken, SGLangHTTPError), (truncated, SGLangProtocolError)):
+        async with SGLangClient([await fake({"/generate": handler})]) as client:
+            with pytest.raises(error):
+                _ = [c async for c in client.generate_stream([1])]
+
+
+@pytest.mark.anyio
+async def test_error_classification(fake) -> None:  # type: ignore[no-untyped-def]
+    async def html(request: web.Request) -> web.Response:
+        return web.Response(text="<html><body>502 Bad Gateway</body></html>", status=502, content_type="text/html")
+
+    async def wrong_shape(request: web.Request) -> web.Response:
+        return web.json_response({"choices": []})
+
+    async def validation(request: web.Request) -> web.Response:
+        return web.json_response({"object": "error", "message": "bad field", "type": "Bad Request", "param": None, "code": 400}, status=400)
+
+    async def weight_fail(request: web.Request) -> web.Response:
+        return web.json_response({"success": False, "message": "shape mismatch"}, status=400)
+
+    cases = [(html, SGLangProtocolError), (wrong_shape, SGLangProtocolError), (validation, SGLangHTTPError)]
+    for handler, error in cases:
+        url = await fake({"/generate": handler})
+        async with SGLangClient([url], retries=0) as client:
+            with pytest.raises(error) as info:
+                await client.generate([1])
+            assert info.value.url == url
+    url = await fake({"/update_weights_from_disk": weight_fail})
+    async with SGLangClient([url], retries=0) as client:
+        with pytest.raises(SGLangWeightUpdateError, match="shape mismatch"):
+            await client.update_weights_from_disk("/w", "v1")
+
+
+@pytest.mark.anyio
+async def test_retries_then_succeeds_and_model_info_falls_back(fake) -> None:  # type: ignore[no-untyped-def]
+    calls = {"n": 0}
+
+    async def flaky(request: web.Request) -> web.Response:
+        calls["n"] += 1
+        if calls["n"] < 3:
+            return web.Response(status=503, text="loading")
+        return web.json_response({"weight_version": "v9"})
+
+    async def old_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "/m", "is_generation": True})
+
+    url = await fake({"/get_weight_version": flaky, "/get_model_info": old_info})
+    async with SGLangClient([url], retries=3, backoff_s=0.001) as client:
+        assert await client.get_weight_version() == "v9" and calls["n"] == 3
+        assert (await client.model_info())["model_path"] == "/m"
+
+
+@pytest.mark.anyio
+async def test_generate_is_not_retried_after_a_server_error(fake) -> None:  # type: ignore[no-untyped-def]
+    calls = {"n": 0}
+
+    async def failing(request: web.Request) -> web.Response:
+        calls["n"] += 1
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    url = await fake({"/generate": failing})
+    async with SGLangClient([url], retries=3, backoff_s=0.001) as client:
+        with pytest.raises(SGLangHTTPError, match="boom"):
+            await client.generate([1])
+    assert calls["n"] == 1
+
+
+@pytest.mark.anyio
+async def test_unreachable_server_raises_connection_error() -> None:
+    async with SGLangClient(["http://127.0.0.1:9"], retries=1, backoff_s=0.001, connect_timeout=2) as client:
+        with pytest.raises(SGLangConnectionError) as info:
+            await client.get_weight_version()
+        assert info.value.attempts == 2
+        assert not await client.health_generate()

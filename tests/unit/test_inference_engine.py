@@ -1,0 +1,125 @@
+"""The local engine in-process: ragged batched forward, chunked prefill, sampling, request parsing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from actors.inference.local.engine import LocalEngine, Sequence
+from actors.inference.local.protocol import BadRequest, SamplingParams, ValidationFailed, parse_generate_request
+from actors.inference.local.runner import ForwardItem, ModelRunner
+from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model_and_tokenizer(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    tok = build_char_tokenizer()
+    return build_tiny_model(tiny_config(len(tok), attn_implementation=request.param), seed=0), tok
+
+
+def test_ragged_chunked_batch_matches_full_forward(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    model, tok = model_and_tokenizer
+    runner = ModelRunner(model)
+    prompts = [tok.encode(p) for p in ("def f(x):", "1+2=", "ls -la /tmp && echo hi", "a")]
+    caches: list = [None] * len(prompts)
+    done = [0] * len(prompts)
+    last: list[torch.Tensor | None] = [None] * len(prompts)
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+        items = [ForwardItem(caches[i], prompts[i][done[i] : done[i] + 3]) for i in rows]
+        logits, new = runner.forward(items)
+        for j, i in enumerate(rows):
+            caches[i], last[i] = new[j], logits[j]
+            done[i] += len(items[j].new_ids)
+    seqs = [list(p) for p in prompts]
+    for _ in range(4):  # batched decode of sequences of different lengths
+        toks = [int(torch.argmax(t)) for t in last]  # type: ignore[arg-type]
+        for s, t in zip(seqs, toks):
+            s.append(t)
+        logits, caches = runner.forward([ForwardItem(c, [t]) for c, t in zip(caches, toks)])
+        last = list(logits)
+    with torch.no_grad():
+        for s, got in zip(seqs, last):
+            want = model(input_ids=torch.tensor([s])).logits[0, -1]
+            assert torch.allclose(got, want, atol=1e-4)  # type: ignore[arg-type]
+
+
+async def _run(engine: LocalEngine, seq: Sequence) -> Sequence:
+    while not seq.finished:
+        await seq.wait_changed()
+    return seq
+
+
+@pytest.mark.anyio
+async def test_engine_chunked_prefill_and_batching_agree(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    model, tok = model_and_tokenizer
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [tok.encode("x" * n + "=1") for n in (1, 5, 40, 90)]
+    outputs = []
+    for chunk, batch in ((1000, 1), (7, 4)):
+        engine = LocalEngine(model, tok, max_batch=batch, chunk_size=chunk)
+        await engine.start()
+        try:
+            seqs = [engine.submit(p, params) for p in prompts]
+            done = await asyncio.wait_for(asyncio.gather(*(_run(engine, s) for s in seqs)), 60)
+            outputs.append([s.output_ids for s in done])
+            assert all(s.finish_reason == {"type": "length", "length": 8} for s in done)
+        finally:
+            await engine.aclose()
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.anyio
+async def test_engine_sampling_params_and_logprob_convention(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    model, tok = model_and_tokenizer
+    engine = LocalEngine(model, tok, max_batch=4, chunk_size=64)
+    await engine.start()
+    try:
+        prompt = tok.encode("abc")
+        hot = SamplingParams(max_new_tokens=1, temperature=2.0, sampling_seed=1)
+        seq = await asyncio.wait_for(_run(engine, engine.submit(prompt, hot)), 30)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        expected = torch.log_softmax(logits / 2.0, dim=-1)[seq.output_ids[0]]
+        assert seq.logprobs[0] == pytest.approx(float(expected), abs=1e-4)  # log_softmax(logits / T)
+
+        top1 = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=1, sampling_seed=5)
+        seq = await asyncio.wait_for(_run(engine, engine.submit(prompt, top1)), 30)
+        assert seq.output_ids == [int(torch.argmax(logits))]
+
+        # every token but <pad> <s> <unk> stops; min_new_tokens masks the stops (and eos) for all 5 steps
+        forced = SamplingParams(max_new_tokens=5, min_new_tokens=5, temperature=1.0, stop_token_ids=tuple(range(4, 101)), sampling_seed=2)
+        seq = await asyncio.wait_for(_run(engine, engine.submit(prompt, forced)), 30)
+        assert set(seq.output_ids) <= {0, 1, 3} and seq.finish_reason == {"type": "length", "length": 5}
+        assert all(lp > float("-inf") for lp in seq.logprobs)
+
+        zero = engine.submit(prompt, SamplingParams(max_new_tokens=0))
+        assert zero.finished and zero.output_ids == [] and zero.finish_reason == {"type": "length", "length": 0}
+        with pytest.raises(BadRequest, match="context length"):
+            engine.submit([5] * engine.context_length, SamplingParams())
+    finally:
+        await engine.aclose()
+
+
+def test_parse_generate_request_normalises_and_validates() -> None:
+    req = parse_generate_request({"text": ["a", "b"], "rid": ["r1", "r2"], "sampling_params": {"stop": "x"}}, vocab_size=10)
+    assert req.is_batch and req.size == 2 and req.rids == ["r1", "r2"] and req.sampling.stop == ("x",)
+    req = parse_generate_request({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4.0}}, vocab_size=10)
+    assert not req.is_batch and req.input_ids == [[1, 2]] and req.sampling.max_new_tokens == 4
+    with pytest.raises(BadRequest, match="rid"):
+        parse_generate_request({"text": ["a", "b"], "rid": "r"}, vocab_size=10)
+    with pytest.raises(ValidationFailed):
+        parse_generate_request({"input_ids": [1, True]}, vocab_size=10)
+    with pytest.raises(BadRequest, match="unknown parameter"):
+        parse_generate_request({"text": "a", "sampling_params": {"temprature": 1}}, vocab_size=10)
+    with pytest.raises(BadRequest, match="stop_token_ids"):
+        parse_generate_request({"text": "a", "sampling_params": {"stop_token_ids": [99]}}, vocab_size=10)
+    assert ValidationFailed("m").body() == {"object": "error", "message": "m", "type": "Bad Request", "param": None, "code": 400}
+    assert BadRequest("m").body() == {"error": {"message": "m"}}
