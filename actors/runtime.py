@@ -10,7 +10,10 @@ the deployment; roles receive it and never know who built it (``ops/cli_run.py``
   acknowledged by the broker, and offsets are committed only for acknowledged records;
 - a handler that raises on a record dead-letters that record (reason ``handler_error``) and the
   actor goes on; infrastructure failures (``StreamError``, ``NatsError``) propagate, crash the actor
-  and let the supervisor restart it, which re-delivers whatever was not committed.
+  and let the supervisor restart it, which re-delivers whatever was not committed;
+- a handler may ``defer_ack(record)``: the record then stays unacknowledged when ``handle`` returns, and
+  the actor acks it itself (``record.ack()``) once the effects it waited for are acknowledged (the
+  reward actor holds a group's outcomes until the group's experiences are out).
 """
 
 from __future__ import annotations
@@ -88,6 +91,9 @@ class StreamActor(Actor):
 
     topics: ClassVar[list[str]] = []
     expect: ClassVar[tuple[str, ...]] = ()
+    # Exceptions that mean "the infrastructure failed", not "this record is bad": they crash the
+    # actor (the supervisor restarts it and the record is re-delivered) instead of dead-lettering.
+    infra_errors: ClassVar[tuple[type[BaseException], ...]] = INFRA_ERRORS
     concurrency: int = 64
     commit_interval_s: float = 1.0
 
@@ -96,6 +102,7 @@ class StreamActor(Actor):
         self.rt = rt
         self.consumer: Consumer | None = None
         self._pending_emits: dict[int, list[asyncio.Future]] = {}
+        self._deferred: set[int] = set()
         self.handled = 0
         self.handler_errors = 0
 
@@ -123,6 +130,10 @@ class StreamActor(Actor):
         fut, mid = self.rt.producer.send_nowait(topic, message, key=key, partition=partition, headers=hdrs)
         self._pending_emits.setdefault(id(record), []).append(fut)
         return mid
+
+    def defer_ack(self, record: Record) -> None:
+        """Keep ``record`` unacknowledged after ``handle`` returns; the caller must ``record.ack()`` it later."""
+        self._deferred.add(id(record))
 
     async def serve(self) -> None:
         assert self.consumer is not None
@@ -154,21 +165,25 @@ class StreamActor(Actor):
                 await self.handle(record)
                 for fut in self._pending_emits.pop(id(record), []):
                     await fut
-            except INFRA_ERRORS as exc:
+            except self.infra_errors as exc:
                 crash.append(exc)
                 return
             except Exception as exc:
                 self._pending_emits.pop(id(record), None)
+                self._deferred.discard(id(record))
                 self.handler_errors += 1
                 log.warning("%s: record %s[%d]@%d failed: %s", self.name, record.topic, record.partition,
                             record.offset, exc)
                 try:
                     await record.dead_letter("handler_error", "".join(
                         traceback.format_exception_only(type(exc), exc)).strip())
-                except INFRA_ERRORS as dlq_exc:
+                except self.infra_errors as dlq_exc:
                     crash.append(dlq_exc)
                 return
-            record.ack()
+            if id(record) in self._deferred:
+                self._deferred.discard(id(record))
+            else:
+                record.ack()
             self.handled += 1
         finally:
             limiter.release()

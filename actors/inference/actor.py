@@ -1,0 +1,305 @@
+"""The inference role: tasks in, streamed tokens and finished samples out.
+
+For each task from ``rollout.tasks`` it generates the task's group of samples concurrently:
+
+- every generation streams; new tokens go to ``rollout.tokens`` (key sample_id) as they arrive;
+- token ids are kept exactly as produced (token-in-token-out: the prompt is tokenised once, the
+  model's tokens are never re-tokenised), with the behaviour logprob and the weight version of
+  every token;
+- a weight update aborts generations in flight (``abort_all_requests``); an aborted generation is
+  resumed from prompt + tokens so far, so its tokens are kept and tagged with the version that made
+  them;
+- multi-turn episodes (``max_turns > 1``) alternate a model turn (one command, up to a newline) with
+  a sandbox step over ``rollout.sandbox.requests`` / ``rollout.sandbox.results``; observation tokens
+  get loss mask 0, logprob 0 and version -1.
+
+The finished sample goes to ``rollout.completions`` (key task_id). The task record is acknowledged
+only after all its completions are: a crash re-generates the whole group elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from actors.inference.sglang_client import GenerateResult, SGLangClient, SGLangError
+from actors.runtime import INFRA_ERRORS, Runtime, StreamActor
+from engine.schemas import Completion, SandboxRequest, SandboxResult, Task, TokenChunk
+from streams.kafka import Consumer, Record
+from streams.weights import WeightSubscriber
+
+log = logging.getLogger("rollout.inference")
+
+OBSERVATION_LIMIT = 400  # characters of sandbox output fed back to the model per step
+
+
+def format_observation(output: str) -> str:
+    """How a sandbox step's output is shown to the model (domains' demonstrations use the same)."""
+    output = output[-OBSERVATION_LIMIT:]
+    return f"{output}{'' if not output or output.endswith(chr(10)) else chr(10)}$ "
+
+
+class SandboxUnavailable(RuntimeError):
+    """A sandbox step got no answer in time, or the sandbox actor lost the episode."""
+
+
+class _Sample:
+    """Per-token arrays of one sample as it grows."""
+
+    def __init__(self, sample_id: str) -> None:
+        self.sample_id = sample_id
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.mask: list[int] = []
+        self.versions: list[int] = []
+        self.chunks = 0
+
+    def add_model_tokens(self, ids: list[int], lps: list[float], versions: list[int]) -> None:
+        self.ids += ids
+        self.logprobs += lps
+        self.mask += [1] * len(ids)
+        self.versions += versions
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+
+def _version_int(v: str | None, default: int) -> int:
+    try:
+        return int(v) if v is not None else default
+    except ValueError:
+        return default
+
+
+class InferenceActor(StreamActor):
+    role = "inference"
+    topics = ["tasks"]
+    expect = ("task",)
+    infra_errors = INFRA_ERRORS + (SGLangError,)  # a failing server must not dead-letter tasks
+
+    def __init__(self, rt: Runtime, urls: list[str], tokenizer: Any, *, reply_partition: int = 0,
+                 weights_dir: str | Path | None = None, name: str | None = None) -> None:
+        super().__init__(rt, name)
+        cfg = rt.cfg.inference
+        self.urls = urls
+        self.tokenizer = tokenizer
+        self.reply_partition = reply_partition
+        self.concurrency = max(1, cfg.concurrency // max(1, rt.cfg.scheduler.group_size))
+        self.client: SGLangClient | None = None
+        self.results: Consumer | None = None
+        self._replies: dict[tuple[str, int], SandboxResult] = {}
+        self._reply_events: dict[tuple[str, int], anyio.Event] = {}
+        self.weight_version = 0
+        self._update_epoch = 0  # bumped by every weight update; an abort seen across a bump is resumed
+        self._weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rollout-weights-"))
+        self.samples_done = 0
+        self.tokens_out = 0
+        self.resumed = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        cfg = self.rt.cfg.inference
+        self.client = SGLangClient(self.urls, timeout=cfg.request_timeout_s)
+        self.weight_version = _version_int(await self.client.get_weight_version(), 0)
+        self.results = await Consumer(
+            self.rt.cfg.kafka, assign=[(self.rt.names.sandbox_results, self.reply_partition)],
+            expect=("sandbox_result",), from_end=True, client_id=f"inference-results-{self.rt.instance}").start()
+        await super().setup()
+
+    async def teardown(self) -> None:
+        await super().teardown()
+        if self.results is not None:
+            results, self.results = self.results, None
+            await results.close()
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.aclose()
+
+    async def serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._dispatch_results)
+            if self.rt.nats is not None:
+                tg.start_soon(self._watch_weights)
+            await super().serve()
+            tg.cancel_scope.cancel()
+
+    # -- weights -----------------------------------------------------------------------------------
+    async def _watch_weights(self) -> None:
+        assert self.client is not None
+        sub = WeightSubscriber(self.rt.require_nats(), self.rt.names, self._weights_dir,
+                               timeout_s=self.rt.cfg.inference.weight_sync_timeout_s)
+        async for manifest in sub.manifests():
+            if manifest.version <= self.weight_version:
+                continue
+            vdir = await sub.fetch(manifest)
+            with anyio.fail_after(self.rt.cfg.inference.weight_sync_timeout_s):
+                self._update_epoch += 1
+                await self.client.update_weights_from_disk(str(vdir), weight_version=str(manifest.version),
+                                                           abort_all_requests=True)
+            self.weight_version = manifest.version
+            log.info("%s: applied weight version %d", self.name, manifest.version)
+
+    # -- sandbox replies ---------------------------------------------------------------------------
+    async def _dispatch_results(self) -> None:
+        assert self.results is not None
+        while True:
+            for r in await self.results.getmany(timeout_s=0.2):
+                res = r.message
+                assert isinstance(res, SandboxResult)
+                key = (res.episode_id, res.step)
+                event = self._reply_events.get(key)
+                if event is not None:
+                    self._replies[key] = res
+                    event.set()
+                r.ack()
+
+    async def _sandbox(self, record: Record, req: SandboxRequest) -> SandboxResult:
+        key = (req.episode_id, req.step)
+        event = self._reply_events[key] = anyio.Event()
+        try:
+            self.emit(record, self.rt.names.sandbox_requests, req, key=req.episode_id)
+            with anyio.move_on_after(self.rt.cfg.sandbox.timeout_s * 3 + 30):
+                await event.wait()
+            reply = self._replies.pop(key, None)
+        finally:
+            self._reply_events.pop(key, None)
+        if reply is None:
+            raise SandboxUnavailable(f"no sandbox reply for {req.episode_id} step {req.step}")
+        if reply.error:
+            raise SandboxUnavailable(f"sandbox error for {req.episode_id} step {req.step}: {reply.error}")
+        return reply
+
+    # -- generation --------------------------------------------------------------------------------
+    async def handle(self, record: Record) -> None:
+        task = record.message
+        assert isinstance(task, Task)
+        prompt_ids = (task.prompt_ids.tolist() if task.prompt_ids is not None
+                      else self.tokenizer.encode(task.prompt, add_special_tokens=False))
+        completions: list[Completion | None] = [None] * task.group_size
+        async with anyio.create_task_group() as tg:
+            for i in range(task.group_size):
+                tg.start_soon(self._run_sample, record, task, i, prompt_ids, completions)
+        for c in completions:
+            assert c is not None
+            self.emit(record, self.rt.names.completions, c, key=task.task_id)
+
+    async def _run_sample(self, record: Record, task: Task, index: int, prompt_ids: list[int],
+                          out: list[Completion | None]) -> None:
+        sample = _Sample(f"{task.task_id}/{index}")
+        sampling = self._sampling(task)
+        transcript: list[dict[str, Any]] = []
+        episode_facts: dict[str, Any] = {}
+        if task.max_turns <= 1:
+            finish = await self._generate(record, task, sample, prompt_ids, sampling, sampling["max_new_tokens"])
+        else:
+            finish, episode_facts = await self._episode(record, task, sample, prompt_ids, sampling, transcript)
+        model_ids = [t for t, m in zip(sample.ids, sample.mask) if m]
+        out[index] = Completion(
+            sample_id=sample.sample_id, task_id=task.task_id, domain=task.domain, group_index=index,
+            group_size=task.group_size, prompt_ids=np.asarray(prompt_ids, np.int32),
+            response_ids=np.asarray(sample.ids, np.int32), logprobs=np.asarray(sample.logprobs, np.float32),
+            loss_mask=np.asarray(sample.mask, np.uint8), weight_versions=np.asarray(sample.versions, np.int32),
+            text=self.tokenizer.decode(model_ids, skip_special_tokens=True), finish_reason=finish,
+            spec=task.spec, turns=max(1, len(transcript)), admitted_version=task.admitted_version,
+            transcript=transcript, episode_facts=episode_facts)
+        self.samples_done += 1
+
+    def _sampling(self, task: Task) -> dict[str, Any]:
+        cfg = self.rt.cfg.inference
+        s = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+        s.update(task.sampling)
+        return s
+
+    async def _generate(self, record: Record, task: Task, sample: _Sample, context: list[int],
+                        sampling: dict[str, Any], budget: int) -> str:
+        """Generate up to ``budget`` tokens after ``context``; resumes across weight updates."""
+        assert self.client is not None
+        mine: list[int] = []  # tokens this call produced, across resumed attempts
+        attempt = 0
+        while True:
+            epoch = self._update_epoch
+            params = dict(sampling, max_new_tokens=budget - len(mine))
+            final: GenerateResult | None = None
+            seen = 0
+            stream = self.client.generate_stream(context + mine, sampling_params=params,
+                                                 rid=f"{sample.sample_id}#{attempt}", key=sample.sample_id)
+            async for chunk in stream:
+                new_ids = chunk.output_ids[seen:]
+                if new_ids:
+                    lps = (chunk.logprobs or [])[seen:]
+                    if len(lps) != len(new_ids):
+                        raise SGLangError(f"server returned {len(lps)} logprobs for {len(new_ids)} tokens")
+                    if chunk.token_weight_versions is not None:
+                        vers = [_version_int(v, self.weight_version) for v in chunk.token_weight_versions[seen:]]
+                    else:
+                        vers = [_version_int(chunk.weight_version, self.weight_version)] * len(new_ids)
+                    sample.add_model_tokens(new_ids, lps, vers)
+                    mine += new_ids
+                    self.emit(record, self.rt.names.tokens, TokenChunk(
+                        sample_id=sample.sample_id, task_id=task.task_id, seq=sample.chunks,
+                        token_ids=np.asarray(new_ids, np.int32), logprobs=np.asarray(lps, np.float32),
+                        weight_version=vers[-1]), key=sample.sample_id)
+                    sample.chunks += 1
+                    self.tokens_out += len(new_ids)
+                    seen = len(chunk.output_ids)
+                if chunk.finished:
+                    final = chunk
+            assert final is not None
+            kind = final.finish_type or "unknown"
+            if kind == "abort" and self._update_epoch != epoch and len(mine) < budget and not self.draining:
+                attempt += 1
+                self.resumed += 1
+                continue  # interrupted by a weight update: resume with the tokens kept
+            return kind
+
+    async def _episode(self, record: Record, task: Task, sample: _Sample, prompt_ids: list[int],
+                       sampling: dict[str, Any], transcript: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+        """A multi-turn episode: model command, sandbox observation, ... then the final-state checks."""
+        episode = sample.sample_id
+        step = 0
+
+        def req(action: str, command: str = "") -> SandboxRequest:
+            return SandboxRequest(episode_id=episode, step=step, action=action, reply_partition=self.reply_partition,
+                                  domain=task.domain, command=command, spec=task.spec if action == "open" else {})
+
+        try:
+            await self._sandbox(record, req("open"))
+            turn_sampling = dict(sampling, stop=list(sampling.get("stop", [])) + ["\n"])
+            per_turn = max(1, int(sampling["max_new_tokens"]))
+            finish = "stop"
+            for _ in range(task.max_turns):
+                start = len(sample.ids)
+                finish = await self._generate(record, task, sample, prompt_ids + sample.ids, turn_sampling, per_turn)
+                command = self.tokenizer.decode(sample.ids[start:], skip_special_tokens=True).strip()
+                if not command or command in ("exit", "done"):
+                    transcript.append({"command": command, "observation": ""})
+                    break
+                step += 1
+                result = await self._sandbox(record, req("step", command))
+                transcript.append({"command": command, "observation": result.observation[-OBSERVATION_LIMIT:],
+                                   "exit_code": result.exit_code})
+                # The model's own newline (if it stopped on one) stays; the observation follows it.
+                obs = format_observation(result.observation)
+                if not sample.ids or sample.ids[-1] != self.tokenizer.convert_tokens_to_ids("\n"):
+                    obs = "\n" + obs
+                sample.add_observation(self.tokenizer.encode(obs, add_special_tokens=False))
+            step += 1
+            closed = await self._sandbox(record, req("close"))
+            return finish, dict(closed.facts)
+        except SandboxUnavailable as exc:
+            log.warning("%s: episode %s lost its sandbox: %s", self.name, episode, exc)
+            return "sandbox_error", {"error": str(exc)}
+
+    def statistics(self) -> dict[str, Any]:
+        stats = super().statistics()
+        stats.update(weight_version=self.weight_version, samples_done=self.samples_done,
+                     tokens_out=self.tokens_out, resumed=self.resumed)
+        return stats

@@ -1,0 +1,96 @@
+"""Start and stop the embedded `local` inference server as a child process.
+
+The server prints one JSON line ``{"event": "listening", ..., "url": ...}`` once its socket listens;
+readiness is then ``/health_generate`` answering 200. The child is stopped by its pid (SIGTERM,
+then SIGKILL after a grace period), never by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from actors.inference.sglang_client import SGLangClient
+
+
+class LocalServerError(RuntimeError):
+    """The local inference server did not start; the message carries the tail of its log."""
+
+
+class LocalServer:
+    """``async with LocalServer(model_dir) as url:`` runs `rollout inference serve` on a free port."""
+
+    def __init__(self, model_dir: str | Path, *, log_path: str | Path, weight_version: str = "0",
+                 max_batch: int = 64, chunk_size: int = 512, torch_threads: int = 1,
+                 startup_timeout_s: float = 120.0) -> None:
+        self.model_dir = str(model_dir)
+        self.log_path = Path(log_path)
+        self.weight_version = weight_version
+        self.max_batch = max_batch
+        self.chunk_size = chunk_size
+        self.torch_threads = torch_threads
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url: str | None = None
+
+    async def start(self) -> str:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        argv = [sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", "--model-dir", self.model_dir,
+                "--weight-version", self.weight_version, "--max-batch", str(self.max_batch),
+                "--chunk-size", str(self.chunk_size), "--torch-threads", str(self.torch_threads)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        log.close()
+        assert self.proc.stdout is not None
+        try:
+            with anyio.fail_after(self.startup_timeout_s):
+                line = await anyio.to_thread.run_sync(self.proc.stdout.readline)
+                if not line:
+                    raise LocalServerError(f"local inference server exited: {self._log_tail()}")
+                self.url = json.loads(line)["url"]
+                async with SGLangClient([self.url], timeout=10, retries=0) as client:
+                    while not await client.health_generate():
+                        if self.proc.poll() is not None:
+                            raise LocalServerError(f"local inference server exited: {self._log_tail()}")
+                        await anyio.sleep(0.1)
+        except TimeoutError:
+            self.stop()
+            raise LocalServerError(f"local inference server not healthy after {self.startup_timeout_s}s: "
+                                   f"{self._log_tail()}") from None
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def _log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    async def __aenter__(self) -> str:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await anyio.to_thread.run_sync(self.stop)

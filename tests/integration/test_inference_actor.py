@@ -1,0 +1,92 @@
+"""The inference actor end to end: tasks from Kafka, token chunks and completions out, a weight
+version published through NATS picked up mid-run (real broker, nats-server and local server)."""
+
+from collections import defaultdict
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from actors.inference.actor import InferenceActor
+from actors.inference.launch import LocalServer
+from actors.llm import load_model_dir, write_tiny_model_dir
+from actors.runtime import Runtime
+from engine.actor import RestartPolicy, Supervisor
+from engine.config import EngineConfig, InferenceConfig, KafkaConfig, NatsConfig, SchedulerConfig
+from engine.schemas import Completion, Task, TokenChunk
+from streams.kafka import Consumer
+from streams.weights import WeightPublisher
+
+pytestmark = pytest.mark.anyio
+
+TASKS, GROUP, TOKENS = 6, 4, 160
+
+
+def _perturbed_copy(model_dir, out_dir) -> list:
+    model, tokenizer = load_model_dir(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out_dir)
+    return [out_dir / "model.safetensors", out_dir / "config.json"]
+
+
+async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
+        kafka_bootstrap, nats_url, unique_name, tmp_path):
+    model_dir = write_tiny_model_dir(tmp_path / "model", seed=0)
+    _, tokenizer = load_model_dir(model_dir)
+    cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=2),
+                       nats=NatsConfig(url=nats_url), scheduler=SchedulerConfig(group_size=GROUP),
+                       inference=InferenceConfig(concurrency=TASKS * GROUP, temperature=1.0))
+    async with LocalServer(model_dir, log_path=tmp_path / "server.log") as url, Runtime(cfg) as rt:
+        names = rt.names
+        for i in range(TASKS):
+            await rt.producer.send(names.tasks, Task(
+                task_id=f"t{i}", domain="arith", prompt=f"{i}+{i}=", spec={"answer": str(2 * i)}, group_size=GROUP,
+                sampling={"max_new_tokens": TOKENS, "ignore_eos": True}), key=f"t{i}")
+        sup = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
+        sup.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w"))
+        completions: dict[str, Completion] = {}
+        chunks: dict[str, list[TokenChunk]] = defaultdict(list)
+        watch = Consumer(cfg.kafka, topics=[names.completions, names.tokens], group=f"{unique_name}.watch",
+                         expect=("completion", "token_chunk"))
+        async with watch, anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            published = False
+            with anyio.fail_after(240):
+                while len(completions) < TASKS * GROUP:
+                    for r in await watch.getmany(timeout_s=0.2):
+                        m = r.message
+                        if isinstance(m, TokenChunk):
+                            chunks[m.sample_id].append(m)
+                        else:
+                            completions[m.sample_id] = m
+                        r.ack()
+                    if not published and chunks:
+                        # generation is under way: publish version 1 through NATS
+                        files = _perturbed_copy(model_dir, tmp_path / "v1")
+                        await WeightPublisher(rt.require_nats(), names).publish(1, files)
+                        published = True
+            actor = sup.actors["inference"]
+            stats = actor.statistics()
+            sup.drain()
+    assert stats["weight_version"] == 1
+    versions_seen = set()
+    for sid, c in completions.items():
+        n = len(c.response_ids)
+        assert 0 < n <= TOKENS
+        assert c.loss_mask.tolist() == [1] * n
+        assert (c.logprobs <= 0).all() and np.isfinite(c.logprobs).all()
+        # the streamed chunks, in order, are exactly the completion's tokens (never re-tokenised)
+        ordered = sorted(chunks[sid], key=lambda ch: ch.seq)
+        assert [ch.seq for ch in ordered] == list(range(len(ordered)))
+        assert np.concatenate([ch.token_ids for ch in ordered]).tolist() == c.response_ids.tolist()
+        assert set(c.weight_versions.tolist()) <= {0, 1}
+        # versions never go backwards within a sample
+        assert (np.diff(c.weight_versions) >= 0).all()
+        versions_seen |= set(c.weight_versions.tolist())
+    assert versions_seen == {0, 1}
+    # at least one generation spanned the update: its tokens were kept and tagged with both versions
+    assert any(len(set(c.weight_versions.tolist())) == 2 for c in completions.values())
+    assert stats["resumed"] >= 1
