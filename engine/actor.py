@@ -131,6 +131,10 @@ class Supervisor:
     def restarts(self, name: str) -> int:
         return self._slots[name].restarts
 
+    def alive(self) -> dict[str, bool]:
+        """Name -> whether the actor is still running (not returned, not given up)."""
+        return {n: s.actor is not None and not s.finished for n, s in self._slots.items()}
+
     def drain(self) -> None:
         """Ask every actor to drain; idempotent."""
         self._draining.set()

@@ -108,6 +108,10 @@ class InferenceConfig(Section):
     """Hard timeout of one generate call."""
     weight_sync_timeout_s: float = Field(60.0, gt=0)
     """Hard timeout for fetching and applying one weight version."""
+    reply_partition: int = Field(0, ge=0)
+    """Partition of rollout.sandbox.results this instance reads its sandbox replies from (unique per instance)."""
+    max_batch: int = Field(64, ge=1)
+    """Local backend: most sequences decoded together."""
 
 
 class SandboxConfig(Section):

@@ -160,7 +160,7 @@ def _infra(bootstrap: str | None, nats_url: str | None):
     if bootstrap and nats_url:
         yield bootstrap, nats_url
         return
-    from ops.infra.testing import private_stack  # started on free ports, stopped by pid
+    from loadtests._infra import private_stack  # started on free ports, stopped by pid
 
     with private_stack() as (b, n):
         yield bootstrap or b, nats_url or n

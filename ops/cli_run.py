@@ -1,0 +1,73 @@
+"""`rollout run --config FILE [--role ROLE ...]`: a daemon running the configured roles.
+
+Prints one JSON line ``{"event": "ready", "http": URL, "roles": [...]}`` on stdout once every role
+is wired. SIGTERM (or a first SIGINT) drains: roles finish or hand back in-flight work, commit and
+close, and the process exits 0. A second SIGINT forces an immediate stop (exit 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+import anyio
+
+from engine.config import ROLES, ConfigError, EngineConfig, load_config
+
+log = logging.getLogger("rollout.run")
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config file (default: built-in defaults + ROLLOUT__* environment)")
+    parser.add_argument("--role", action="append", choices=ROLES, dest="roles",
+                        help="a role to run in this process; repeat for several (default: the config's roles)")
+    parser.add_argument("--run-dir", help="where this process keeps its model, weights and logs (default: runs/<namespace>)")
+    parser.add_argument("--instance", help="instance name in heartbeats, metrics and client ids (default: host-pid)")
+    parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ops.logs import setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"rollout run: {exc}", file=sys.stderr)
+        return 2
+    return anyio.run(run_daemon, cfg, args.roles, args.run_dir, args.instance)
+
+
+async def run_daemon(cfg: EngineConfig, roles: list[str] | None, run_dir: str | None, instance: str | None) -> int:
+    from ops.deployment import Deployment
+
+    forced = False
+    async with Deployment(cfg, roles, run_dir=run_dir, instance=instance) as deployment:
+        print(json.dumps({"event": "ready", "http": deployment.http.url, "roles": deployment.roles,
+                          "namespace": cfg.namespace}), flush=True)
+        async with anyio.create_task_group() as tg:
+
+            async def on_signals() -> None:
+                nonlocal forced
+                interrupts = 0
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for sig in signals:
+                        if sig == signal.SIGINT:
+                            interrupts += 1
+                        if interrupts >= 2:
+                            log.warning("second SIGINT: stopping without draining")
+                            forced = True
+                            tg.cancel_scope.cancel()
+                            return
+                        log.info("%s: draining", signal.Signals(sig).name)
+                        deployment.drain()
+
+            tg.start_soon(on_signals)
+            await deployment.run()
+            tg.cancel_scope.cancel()
+    log.info("stopped%s", " (forced)" if forced else "")
+    return 130 if forced else 0

@@ -1,0 +1,138 @@
+"""One process of a deployment: the configured roles, their shared resources, one supervisor.
+
+    async with Deployment(cfg, roles=["sandbox", "reward"]) as d:
+        await d.run()                # until drained (SIGTERM) or every role is done
+
+This is the only place that knows how the roles are built; the roles know nothing of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.actor import Actor, RestartPolicy, Supervisor
+from engine.config import ROLES, EngineConfig
+
+log = logging.getLogger("rollout.deployment")
+
+
+def ensure_model_dir(cfg: EngineConfig, run_dir: Path) -> Path:
+    """The HF model directory the local backend serves and the learner starts from.
+
+    With no ``inference.model_dir``, a tiny model is built from a config (deterministic in the
+    learner seed, so every machine of a deployment builds the same one).
+    """
+    if cfg.inference.model_dir:
+        return Path(cfg.inference.model_dir)
+    from actors.llm import write_tiny_model_dir
+
+    path = run_dir / "model"
+    if not (path / "config.json").exists():
+        write_tiny_model_dir(path, seed=cfg.learner.seed)
+    return path
+
+
+class Deployment:
+    def __init__(self, cfg: EngineConfig, roles: list[str] | None = None, *, run_dir: str | Path | None = None,
+                 instance: str | None = None, extra_actors: list[tuple[str, Callable[[], Actor]]] | None = None) -> None:
+        self.cfg = cfg
+        self.roles = list(roles or cfg.roles)
+        unknown = set(self.roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown role(s) {sorted(unknown)}; roles are {list(ROLES)}")
+        self.run_dir = Path(run_dir or Path("runs") / cfg.namespace)
+        self.instance = instance
+        self.extra_actors = extra_actors or []
+        sup = cfg.supervision
+        self.supervisor = Supervisor(
+            RestartPolicy(max_restarts=sup.max_restarts, restart_window_s=sup.restart_window_s,
+                          backoff_initial_s=sup.backoff_initial_s, backoff_max_s=sup.backoff_max_s),
+            drain_timeout_s=sup.drain_timeout_s)
+        self.rt: Any = None
+        self.http: Any = None
+        self.model_dir: Path | None = None
+        self.inference_urls: list[str] = []
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> "Deployment":
+        try:
+            await self._wire()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _wire(self) -> None:
+        from actors.runtime import Runtime
+        from ops.http import HttpServer
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        enter = self._stack.enter_async_context
+        self.rt = rt = await enter(Runtime(self.cfg, instance=self.instance))
+        add = self.supervisor.add
+
+        if "inference" in self.roles or "learner" in self.roles:
+            self.model_dir = ensure_model_dir(self.cfg, self.run_dir)
+
+        if "sandbox" in self.roles:
+            from actors.sandbox import build_sandbox_actors, sandbox_resources
+
+            resources = await enter(sandbox_resources(self.cfg.sandbox))
+            for name, factory in build_sandbox_actors(rt, resources):
+                add(name, factory)
+
+        if "inference" in self.roles:
+            from transformers import AutoTokenizer
+
+            from actors.inference.actor import InferenceActor
+            from actors.inference.launch import LocalServer
+
+            assert self.model_dir is not None
+            urls = list(self.cfg.inference.urls)
+            if not urls:
+                if self.cfg.inference.backend != "local":
+                    raise ValueError("inference.backend = 'sglang' needs inference.urls (the SGLang servers or router)")
+                urls = [await enter(LocalServer(self.model_dir, log_path=self.run_dir / "logs" / "inference-server.log",
+                                                max_batch=self.cfg.inference.max_batch))]
+            self.inference_urls = urls
+            tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            add("inference", lambda: InferenceActor(rt, urls, tokenizer,
+                                                    reply_partition=self.cfg.inference.reply_partition,
+                                                    weights_dir=self.run_dir / "weights"))
+
+        if "reward" in self.roles:
+            from actors.reward import RewardActor
+
+            add("reward", lambda: RewardActor(rt))
+
+        if "learner" in self.roles:
+            from actors.learner import LearnerActor
+
+            add("learner", lambda: LearnerActor(rt, model_dir=str(self.model_dir)))
+
+        if "scheduler" in self.roles:
+            from actors.scheduler import SchedulerActor
+
+            add("scheduler", lambda: SchedulerActor(rt))
+
+        for name, factory in self.extra_actors:
+            add(name, factory)
+
+        tel = self.cfg.telemetry
+        self.http = await enter(HttpServer(tel.http_host, tel.http_port, self.supervisor,
+                                           control_token=tel.control_token))
+        log.info("deployment %s: roles %s; http %s", self.cfg.namespace, self.roles, self.http.url)
+
+    async def run(self) -> None:
+        """Run every role until drained or done; raises SupervisorGaveUp if a role keeps crashing."""
+        await self.supervisor.run()
+
+    def drain(self) -> None:
+        self.supervisor.drain()
