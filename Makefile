@@ -1,0 +1,24 @@
+# Entry points for people and CI. Each target is idempotent.
+PYTHON := .venv/bin/python
+ROLLOUT := .venv/bin/rollout
+
+.PHONY: setup demo test down status
+
+# System packages (Java, Maven, bubblewrap, docker.io, iproute2), .venv, Kafka jars.
+setup:
+	ops/bootstrap.sh
+
+# A short real RL run on the local stack (Kafka + NATS on the default ports, bubblewrap sandboxes).
+demo: setup
+	$(ROLLOUT) infra up --bwrap
+	$(ROLLOUT) demo
+
+# The integration fixtures start a private broker, nats-server and Docker engine as needed.
+test: setup
+	$(PYTHON) -m pytest tests -q
+
+down:
+	$(ROLLOUT) infra down
+
+status:
+	$(ROLLOUT) infra status

@@ -1,0 +1,86 @@
+"""`rollout infra up|down|status`: the local Kafka broker, nats-server, Docker engine and bubblewrap."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ops.infra import InfraConfig, InfraError, Stack, format_table
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="infra_command", metavar="ACTION")
+    sub.required = True
+
+    up = sub.add_parser("up", help="start what is not running and wait until it answers (idempotent)")
+    _common(up)
+    up.add_argument("--docker", action="store_true", help="also run a Docker engine (installs docker.io if missing)")
+    up.add_argument("--bwrap", action="store_true", help="also check bubblewrap (installs it if missing)")
+    up.add_argument("--kafka-port", type=int, help="Kafka client port (env ROLLOUT_KAFKA_PORT, default 9092)")
+    up.add_argument(
+        "--kafka-controller-port", type=int, help="KRaft controller port (env ROLLOUT_KAFKA_CONTROLLER_PORT, default 9093)"
+    )
+    up.add_argument("--nats-port", type=int, help="NATS client port (env ROLLOUT_NATS_PORT, default 4222)")
+    up.add_argument("--kafka-heap", help="broker JVM heap options (env ROLLOUT_KAFKA_HEAP, default '-Xmx1G -Xms512m')")
+    up.add_argument("--docker-socket", type=Path, help="Docker API socket (env ROLLOUT_DOCKER_SOCKET)")
+    up.set_defaults(func=_up)
+
+    down = sub.add_parser("down", help="stop what `up` started in this state dir (by pid), nothing else")
+    _common(down)
+    down.set_defaults(func=_down)
+
+    status = sub.add_parser("status", help="table of services; exits 1 if an expected one is down")
+    _common(status)
+    status.set_defaults(func=_status)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", type=Path, help="pid files, logs and data (env ROLLOUT_STATE_DIR, default .state/infra)")
+
+
+def _config(args: argparse.Namespace) -> InfraConfig:
+    return InfraConfig.from_env(
+        state_dir=args.state_dir,
+        kafka_port=getattr(args, "kafka_port", None),
+        kafka_controller_port=getattr(args, "kafka_controller_port", None),
+        nats_port=getattr(args, "nats_port", None),
+        kafka_heap=getattr(args, "kafka_heap", None),
+        docker_socket=getattr(args, "docker_socket", None),
+    )
+
+
+def _fail(exc: InfraError) -> int:
+    print(f"rollout infra: {exc}", file=sys.stderr)
+    if exc.log_tail:
+        print(f"--- last log lines ---\n{exc.log_tail}", file=sys.stderr)
+    return 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    try:
+        stack = Stack(_config(args), docker=args.docker, bwrap=args.bwrap)
+        rows = stack.up(log=lambda line: print(line, flush=True))
+    except InfraError as exc:
+        return _fail(exc)
+    print(format_table(rows))
+    if stack.docker:
+        print(f"export DOCKER_HOST={stack.config.docker_host}")
+    return 0 if all(r.healthy for r in rows) else 1
+
+
+def _down(args: argparse.Namespace) -> int:
+    try:
+        Stack(_config(args)).down(log=lambda line: print(line, flush=True))
+    except InfraError as exc:
+        return _fail(exc)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        rows = Stack(_config(args)).status()
+    except InfraError as exc:
+        return _fail(exc)
+    print(format_table(rows))
+    return 0 if all(r.healthy for r in rows) else 1

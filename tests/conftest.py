@@ -1,0 +1,36 @@
+"""Fixtures every test may use. Async tests run on anyio's pytest plugin with the asyncio backend
+(nats-py and the Kafka clients need an asyncio loop): mark them ``@pytest.mark.anyio``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from ops.infra.process import free_port
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def free_tcp_port() -> Callable[[], int]:
+    """Call to get a currently unused TCP port on 127.0.0.1."""
+    return free_port
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate!r}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., None]:
+    """``wait_until(predicate, timeout_s=10, what="...")``: poll a sync condition, fail on timeout."""
+    return _wait_until
