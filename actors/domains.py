@@ -1,0 +1,345 @@
+"""Built-in task domains: seeded generators, held-out splits, demonstrations and reward functions.
+
+A :class:`Domain` bundles what the engine needs to know about one kind of task:
+
+- ``generate(rng, difficulty) -> (prompt, spec)``: a task, deterministic given the ``random.Random``
+  state; ``difficulty`` in [0, 1] makes it longer or harder (the scheduler's curriculum drives it).
+  ``spec`` is the input of the domain's verifier (``sandboxes/verifiers.py``, named by ``verifier``).
+- ``demonstrate(rng, difficulty) -> (prompt, completion)``: the same task with an ideal completion,
+  for a short supervised warm start.
+- ``reward(facts, text) -> float`` in [0, 1]: correctness from the verifier's facts;
+  ``format_score(text) -> float`` in [0, 1]: whether the completion has the expected shape.
+
+Everything is tiny and templated on purpose: the default policy is a character-level model trained on
+CPU in minutes. Every completion is one line per turn and ends with ``stop`` (a newline), so the
+inference server cuts generations there.
+
+Held-out split: a prompt belongs to the held-out split iff a stable hash of it falls in the held-out
+bucket (``HELDOUT_BUCKETS`` of ``HASH_BUCKETS``); training tasks are drawn by rejection from the other
+buckets. The two splits therefore never share a prompt, whatever the seeds. Held-out sets are drawn from
+seed streams disjoint from any training stream (see :func:`split_rng`).
+
+Rewards (:func:`reward_fn`): ``correctness + format_weight * format - length_penalty * generated_tokens``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import random
+import re
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import RewardConfig
+from engine.schemas import Completion
+
+Spec = dict[str, Any]
+Facts = dict[str, Any]
+TaskFn = Callable[[random.Random, float], "GeneratedTask"]
+RewardFn = Callable[[Facts, str], float]
+FormatFn = Callable[[str], float]
+
+HASH_BUCKETS = 10
+HELDOUT_BUCKETS = 1
+MAX_REJECTIONS = 1000
+STOP = "\n"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GeneratedTask:
+    """One task with its ideal completion (what a demonstration shows)."""
+
+    prompt: str
+    spec: Spec
+    ideal: str
+
+
+def is_heldout(prompt: str) -> bool:
+    """Whether ``prompt`` belongs to the held-out split (stable across processes and Python versions)."""
+    return zlib.crc32(prompt.encode()) % HASH_BUCKETS < HELDOUT_BUCKETS
+
+
+def split_rng(seed: int, split: str) -> random.Random:
+    """The random stream of one split; ``train`` and ``heldout`` streams of any seeds never coincide."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    return random.Random(f"{split}:{seed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """A kind of task: generator, verifier name, reward and format functions, turn budget."""
+
+    name: str
+    verifier: str
+    """Key of ``sandboxes.verifiers.VERIFIERS`` that judges this domain's completions."""
+    make: TaskFn
+    reward: RewardFn
+    format_score: FormatFn
+    max_turns: int = 1
+    stop: tuple[str, ...] = (STOP,)
+
+    def _draw(self, rng: random.Random, difficulty: float, split: str) -> GeneratedTask:
+        want_heldout = split == "heldout"
+        for _ in range(MAX_REJECTIONS):
+            task = self.make(rng, min(1.0, max(0.0, difficulty)))
+            if is_heldout(task.prompt) == want_heldout:
+                return task
+        raise RuntimeError(f"domain {self.name!r}: no {split} task after {MAX_REJECTIONS} draws "
+                           f"at difficulty {difficulty}")
+
+    def generate(self, rng: random.Random, difficulty: float = 0.0) -> tuple[str, Spec]:
+        """A training task ``(prompt, spec)``; never a held-out prompt."""
+        task = self._draw(rng, difficulty, "train")
+        return task.prompt, task.spec
+
+    def demonstrate(self, rng: random.Random, difficulty: float = 0.0) -> tuple[str, str]:
+        """A training prompt with its ideal completion, for supervised warm start."""
+        task = self._draw(rng, difficulty, "train")
+        return task.prompt, task.ideal
+
+    def heldout(self, n: int, *, seed: int = 0, difficulty: float = 0.0) -> list[tuple[str, Spec]]:
+        """``n`` held-out tasks (deterministic for a seed; repeats possible when the space is small)."""
+        rng = split_rng(seed, "heldout")
+        return [(t.prompt, t.spec) for t in (self._draw(rng, difficulty, "heldout") for _ in range(n))]
+
+    def turns(self, spec: Spec) -> int:
+        """Turn budget of one task."""
+        return int(spec.get("max_turns", self.max_turns))
+
+
+# -- arith -------------------------------------------------------------------------------------------
+
+def make_arith(rng: random.Random, difficulty: float) -> GeneratedTask:
+    """``"12+7="`` -> ``"19"``. Difficulty adds digits (1 to 3), then ``-``, then ``*``, then a third operand.
+
+    Answers are never negative (a minus sign is one more thing for a tiny model to learn).
+    """
+    digits = 1 + round(2 * difficulty)
+    ops = "+" if difficulty < 0.3 else "+-" if difficulty < 0.6 else "+-*"
+    n_operands = 3 if difficulty >= 0.9 else 2
+    while True:
+        terms = [rng.randrange(0, 10 ** digits)]
+        chosen = [rng.choice(ops) for _ in range(n_operands - 1)]
+        terms += [rng.randrange(0, 10 if op == "*" else 10 ** digits) for op in chosen]
+        value = _evaluate(terms, chosen)
+        if value >= 0:
+            break
+    expr = str(terms[0]) + "".join(f"{op}{t}" for op, t in zip(chosen, terms[1:]))
+    return GeneratedTask(prompt=f"{expr}=", spec={"answer": str(value)}, ideal=f"{value}{STOP}")
+
+
+def _evaluate(terms: list[int], ops: list[str]) -> int:
+    """``terms[0] ops[0] terms[1] ...`` with ``*`` binding tighter than ``+``/``-``."""
+    products, signs = [terms[0]], [1]
+    for op, term in zip(ops, terms[1:]):
+        if op == "*":
+            products[-1] *= term
+        else:
+            products.append(term)
+            signs.append(1 if op == "+" else -1)
+    return sum(s * p for s, p in zip(signs, products))
+
+
+_INT = re.compile(r"-?\d+")
+
+
+def answer_reward(facts: Facts, text: str) -> float:
+    """1 when the verifier found the right answer."""
+    return 1.0 if facts.get("correct") else 0.0
+
+
+def answer_format(text: str) -> float:
+    """1 when the completion is a bare integer (optionally newline-terminated)."""
+    return 1.0 if _INT.fullmatch(text.strip()) else 0.0
+
+
+# -- code --------------------------------------------------------------------------------------------
+
+_CODE_TEMPLATES: tuple[tuple[float, str, str, Callable[[int, int], int]], ...] = (
+    # (min difficulty, description with {k}, body with {k}, reference)
+    (0.0, "add {k}", "x+{k}", lambda x, k: x + k),
+    (0.0, "subtract {k}", "x-{k}", lambda x, k: x - k),
+    (0.0, "multiply by {k}", "x*{k}", lambda x, k: x * k),
+    (0.4, "square then add {k}", "x*x+{k}", lambda x, k: x * x + k),
+    (0.4, "max of x and {k}", "max(x,{k})", lambda x, k: max(x, k)),
+    (0.7, "x mod {k}", "x%{k}", lambda x, k: x % k),
+    (0.7, "double then subtract {k}", "2*x-{k}", lambda x, k: 2 * x - k),
+)
+CODE_TEST_INPUTS = 3
+
+
+def make_code(rng: random.Random, difficulty: float) -> GeneratedTask:
+    """``"# write f: add 3\\n"`` -> ``"def f(x): return x+3"``; tests call ``f`` on a few inputs."""
+    templates = [t for t in _CODE_TEMPLATES if t[0] <= difficulty]
+    _, describe, body, reference = rng.choice(templates)
+    k = rng.randint(1, 9 if difficulty < 0.5 else 20)
+    xs = rng.sample(range(-5 if difficulty >= 0.5 else 0, 12), CODE_TEST_INPUTS)
+    tests = [{"name": f"f({x})", "code": f"from solution import f\nassert f({x}) == {reference(x, k)}\n"}
+             for x in xs]
+    return GeneratedTask(prompt=f"# write f: {describe.format(k=k)}\n",
+                         spec={"tests": tests, "timeout_s": 5},
+                         ideal=f"def f(x): return {body.format(k=k)}{STOP}")
+
+
+def code_reward(facts: Facts, text: str) -> float:
+    """Fraction of tests passed."""
+    total = int(facts.get("total", 0) or 0)
+    return float(facts.get("passed", 0)) / total if total > 0 else 0.0
+
+
+def code_format(text: str) -> float:
+    """1 when the completion parses as Python and defines ``f``."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return 0.0
+    return 1.0 if any(isinstance(n, ast.FunctionDef) and n.name == "f" for n in tree.body) else 0.0
+
+
+# -- terminal ----------------------------------------------------------------------------------------
+
+_FILES = tuple("abcdefgh")
+_WORDS = ("hi", "ok", "yes", "no", "go", "up")
+_DIRS = ("d", "out", "tmp2", "x")
+SHELL_COMMANDS = frozenset({"echo", "printf", "rm", "mkdir", "cp", "mv", "touch", "cat", "ls", "cd"})
+
+
+def _check(cmd: str) -> dict[str, Any]:
+    return {"cmd": cmd, "timeout_s": 5}
+
+
+def _step_create(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
+    name = f"{rng.choice([f for f in _FILES if f not in taken])}.txt"
+    word = rng.choice(_WORDS)
+    taken.add(name[0])
+    return (f"create {name} containing {word}", f"echo {word} > {name}",
+            [_check(f'test "$(cat {name})" = {word}')], {})
+
+
+def _step_delete(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
+    name = f"{rng.choice([f for f in _FILES if f not in taken])}.txt"
+    taken.add(name[0])
+    return f"delete {name}", f"rm {name}", [_check(f"test ! -e {name}")], {name: "old\n"}
+
+
+def _step_mkdir(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
+    name = rng.choice([d for d in _DIRS if d not in taken])
+    taken.add(name)
+    return f"make directory {name}", f"mkdir {name}", [_check(f"test -d {name}")], {}
+
+
+def _step_copy(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
+    src, dst = rng.sample([f for f in _FILES if f not in taken], 2)
+    taken.update((src, dst))
+    word = rng.choice(_WORDS)
+    return (f"copy {src}.txt to {dst}.txt", f"cp {src}.txt {dst}.txt",
+            [_check(f'test "$(cat {dst}.txt)" = {word}'), _check(f"test -e {src}.txt")], {f"{src}.txt": f"{word}\n"})
+
+
+def _step_move(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
+    src, dst = rng.sample([f for f in _FILES if f not in taken], 2)
+    taken.update((src, dst))
+    word = rng.choice(_WORDS)
+    return (f"rename {src}.txt to {dst}.txt", f"mv {src}.txt {dst}.txt",
+            [_check(f'test "$(cat {dst}.txt)" = {word}'), _check(f"test ! -e {src}.txt")], {f"{src}.txt": f"{word}\n"})
+
+
+_TERMINAL_STEPS = (_step_create, _step_delete, _step_mkdir, _step_copy, _step_move)
+
+
+def make_terminal(rng: random.Random, difficulty: float) -> GeneratedTask:
+    """``"# goal: create a.txt containing hi\\n$ "`` -> ``"echo hi > a.txt"``; one command per turn.
+
+    Difficulty chains goals (1 to 3), each needing one command; ``max_turns`` leaves one spare turn.
+    """
+    n_goals = 1 + round(2 * difficulty * 0.99)
+    taken: set[str] = set()
+    goals, commands, checks, setup = [], [], [], {}
+    for _ in range(n_goals):
+        goal, command, goal_checks, files = rng.choice(_TERMINAL_STEPS)(rng, taken)
+        goals.append(goal)
+        commands.append(command)
+        checks.extend(goal_checks)
+        setup.update(files)
+    spec = {"setup_files": setup, "checks": checks, "max_turns": n_goals + 1}
+    return GeneratedTask(prompt=f"# goal: {', then '.join(goals)}\n$ ", spec=spec,
+                         ideal="".join(f"{c}{STOP}" for c in commands))
+
+
+def terminal_reward(facts: Facts, text: str) -> float:
+    """Fraction of final-state checks passed."""
+    total = int(facts.get("checks_total", 0) or 0)
+    return float(facts.get("checks_passed", 0)) / total if total > 0 else 0.0
+
+
+def terminal_format(text: str) -> float:
+    """Fraction of non-empty lines that start with a known shell command."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return 0.0
+    return sum(ln.split()[0] in SHELL_COMMANDS for ln in lines) / len(lines)
+
+
+# -- registries --------------------------------------------------------------------------------------
+
+REWARD_FNS: dict[str, RewardFn] = {"answer": answer_reward, "code": code_reward, "terminal": terminal_reward}
+"""Reward functions by domain name, plus one per verifier name (the fallback for unregistered domains)."""
+
+DOMAINS: dict[str, Domain] = {}
+
+
+def register_domain(domain: Domain, *, replace: bool = False) -> Domain:
+    """Add ``domain`` to ``DOMAINS`` and its reward function to ``REWARD_FNS``."""
+    if domain.name in DOMAINS and not replace:
+        raise ValueError(f"domain {domain.name!r} is already registered (pass replace=True)")
+    DOMAINS[domain.name] = domain
+    REWARD_FNS[domain.name] = domain.reward
+    return domain
+
+
+register_domain(Domain("arith", "answer", make_arith, answer_reward, answer_format))
+register_domain(Domain("code", "code", make_code, code_reward, code_format))
+register_domain(Domain("terminal", "terminal", make_terminal, terminal_reward, terminal_format, max_turns=4))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RewardBreakdown:
+    """The terms of one sample's reward; ``total`` is what the advantage is computed from."""
+
+    correctness: float
+    format: float
+    tokens: int
+    total: float
+
+
+def score(domain: str, facts: Facts, completion: Completion | str, cfg: RewardConfig | None = None,
+          *, verifier: str | None = None) -> RewardBreakdown:
+    """Reward of one completion with its terms.
+
+    The correctness function is the domain's (or, for an unregistered domain, the ``verifier``'s).
+    ``generated_tokens`` counts model tokens (loss mask) of a Completion, or characters of a plain text
+    (the default tokenizer is character-level).
+    """
+    cfg = cfg or RewardConfig()
+    text = completion.text if isinstance(completion, Completion) else completion
+    fn = REWARD_FNS.get(domain) or (REWARD_FNS.get(verifier) if verifier else None)
+    if fn is None:
+        raise KeyError(f"no reward function for domain {domain!r} (verifier {verifier!r}); "
+                       f"registered: {sorted(REWARD_FNS)}")
+    correctness = fn(facts, text)
+    fmt = 0.0
+    if cfg.format_weight:
+        fmt_fn = DOMAINS[domain].format_score if domain in DOMAINS else None
+        fmt = fmt_fn(text) if fmt_fn is not None else 0.0
+    tokens = int(completion.loss_mask.sum()) if isinstance(completion, Completion) else len(text)
+    total = correctness + cfg.format_weight * fmt - cfg.length_penalty * tokens
+    return RewardBreakdown(correctness=correctness, format=fmt, tokens=tokens, total=total)
+
+
+def reward_fn(domain: str, facts: Facts, completion: Completion | str, cfg: RewardConfig | None = None,
+              *, verifier: str | None = None) -> float:
+    """The scalar reward of one completion (see :func:`score` for the terms)."""
+    return score(domain, facts, completion, cfg, verifier=verifier).total

@@ -1,0 +1,421 @@
+"""The scheduler role: picks tasks, admits them within the off-policy bound, publishes ``rollout.tasks``.
+
+``SchedulerActor`` consumes no topic. It draws tasks from sources (the domains' generators of
+``actors/domains.py`` and JSONL files), picks a source by weight, and publishes each admitted task
+(keyed by task_id) for ``group_size`` samples. The decisions live in small pure classes:
+
+- :class:`Admission` — AReaL's rule: admit a task of ``group_size`` samples only while
+  ``admitted - filtered + group_size <= (max_staleness + version + 1) * batch_size``, with ``version``
+  and ``filtered`` from the learner's status (KV key ``Names.LEARNER_VERSION_KEY``, JSON
+  ``{"version", "step", "consumed", "filtered"?, ...}``). ``filtered`` counts samples the learner
+  consumed but will never train (zero-variance groups, stragglers, too stale): they leave the
+  "running" set without becoming "accepted", and without subtracting them a run whose groups are all
+  filtered would stall forever at the bound.
+- :class:`DomainMixer` — configured weights (``scheduler.domains``), each multiplied by
+  ``1 - zero_variance_rate`` of its domain (floored, so no domain starves and its statistics keep coming).
+- :class:`Curriculum` — per-domain difficulty in [0, 1], raised when the domain's recent success rate is
+  high and lowered when it is low, at most once per ``min_samples`` new samples.
+
+Observed statistics come from the reward actors' snapshot (KV key ``actors.reward.REWARD_STATS_KEY``).
+The scheduler's own counters are put under ``SCHEDULER_STATUS_KEY`` and read back at start, so a
+restarted scheduler does not re-admit what its predecessor admitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import anyio
+import anyio.lowlevel
+
+from actors.domains import DOMAINS, Domain
+from actors.reward import REWARD_STATS_KEY
+from actors.runtime import Runtime
+from engine.actor import Actor
+from engine.schemas import Task
+from engine.topics import Names
+
+log = logging.getLogger("rollout.actors.scheduler")
+
+SCHEDULER_STATUS_KEY = "scheduler.status"
+"""Control-bucket KV key of the scheduler's counters (JSON: admitted_samples, tasks_admitted, ...)."""
+
+
+# -- admission -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LearnerStatus:
+    """What the scheduler reads from the learner's KV status."""
+
+    version: int = 0
+    step: int = 0
+    consumed: int = 0
+    filtered: int = 0
+    dropped_stale: int = 0
+
+    @property
+    def never_trained(self) -> int:
+        """Samples the learner consumed without training on them (filtered or too stale)."""
+        return self.filtered + self.dropped_stale
+
+    @classmethod
+    def from_json(cls, raw: bytes | None) -> "LearnerStatus":
+        """Parse the KV value; absent fields (or an absent value) read as 0."""
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        return cls(**{f.name: int(data.get(f.name, 0) or 0) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admission:
+    """The off-policy bound on admitted samples (AReaL's admission rule)."""
+
+    batch_size: int
+    max_staleness: int
+
+    def capacity(self, version: int) -> int:
+        """Samples that may be admitted in total (minus filtered ones) while the learner is at ``version``."""
+        return (self.max_staleness + version + 1) * self.batch_size
+
+    def can_admit(self, admitted: int, group_size: int, learner: LearnerStatus) -> bool:
+        return admitted - learner.never_trained + group_size <= self.capacity(learner.version)
+
+
+# -- domain weights and curriculum -----------------------------------------------------------------
+
+class DomainMixer:
+    """Sampling weights over sources, rebalanced from observed statistics."""
+
+    def __init__(self, weights: dict[str, float], *, floor: float = 0.1, min_groups: int = 4) -> None:
+        if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+            raise ValueError(f"domain weights must be non-negative with a positive sum, got {weights}")
+        self.base = dict(weights)
+        self.floor = floor
+        self.min_groups = min_groups
+        self._factor = {name: 1.0 for name in weights}
+
+    def rebalance(self, name: str, stats: dict[str, Any]) -> None:
+        """Scale ``name``'s weight by ``1 - zero_variance_rate`` (at least ``floor``) once it has enough groups."""
+        if name in self._factor and int(stats.get("groups", 0)) >= self.min_groups:
+            self._factor[name] = max(self.floor, 1.0 - float(stats.get("zero_variance_rate", 0.0)))
+
+    def remove(self, name: str) -> None:
+        """Stop sampling ``name`` (its source is exhausted)."""
+        self.base.pop(name, None)
+        self._factor.pop(name, None)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Current normalised weights (empty when every source is removed)."""
+        raw = {n: w * self._factor[n] for n, w in self.base.items()}
+        total = sum(raw.values())
+        return {n: w / total for n, w in raw.items()} if total > 0 else {}
+
+    def pick(self, rng: random.Random) -> str | None:
+        weights = self.weights
+        if not weights:
+            return None
+        names = sorted(weights)
+        return rng.choices(names, weights=[weights[n] for n in names])[0]
+
+
+class Curriculum:
+    """Per-domain difficulty that rises with the observed success rate."""
+
+    def __init__(self, *, start: float = 0.0, step: float = 0.1, raise_at: float = 0.8, lower_at: float = 0.2,
+                 min_samples: int = 64) -> None:
+        self.start = start
+        self.step = step
+        self.raise_at = raise_at
+        self.lower_at = lower_at
+        self.min_samples = min_samples
+        self._difficulty: dict[str, float] = {}
+        self._count_at_change: dict[str, int] = {}
+
+    def difficulty(self, domain: str) -> float:
+        return self._difficulty.get(domain, self.start)
+
+    def observe(self, domain: str, count: int, success: float) -> float:
+        """Take a domain's sample count and recent success rate; returns its (possibly new) difficulty.
+
+        Moves at most one ``step`` per ``min_samples`` new samples, so the success rate measured at the
+        new difficulty (an exponential average) has time to replace the old one.
+        """
+        since = self._count_at_change.setdefault(domain, count)
+        level = self.difficulty(domain)
+        if count - since < self.min_samples:
+            return level
+        if success >= self.raise_at and level < 1.0:
+            level = min(1.0, level + self.step)
+        elif success <= self.lower_at and level > 0.0:
+            level = max(0.0, level - self.step)
+        else:
+            return level
+        self._difficulty[domain] = round(level, 6)
+        self._count_at_change[domain] = count
+        return level
+
+
+# -- task sources ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SourcedTask:
+    """A task as a source produces it, before admission gives it an id and a version."""
+
+    domain: str
+    prompt: str
+    spec: dict[str, Any]
+    max_turns: int = 1
+    difficulty: float = 0.0
+    stop: tuple[str, ...] = ()
+
+
+class TaskSource(Protocol):
+    """Where tasks come from. ``domain`` is the domain whose statistics steer it (None: not steered)."""
+
+    name: str
+    domain: str | None
+
+    def next(self, difficulty: float) -> SourcedTask | None:
+        """The next task, or None once the source is exhausted."""
+        ...
+
+
+class GeneratorSource:
+    """Endless training tasks from a domain's generator, seeded."""
+
+    def __init__(self, domain: Domain, seed: int = 0) -> None:
+        self.name = domain.name
+        self.domain: str | None = domain.name
+        self._domain = domain
+        self._rng = random.Random(f"train:{seed}:{domain.name}")
+
+    def next(self, difficulty: float) -> SourcedTask:
+        prompt, spec = self._domain.generate(self._rng, difficulty)
+        return SourcedTask(domain=self._domain.name, prompt=prompt, spec=spec, max_turns=self._domain.turns(spec),
+                           difficulty=difficulty, stop=self._domain.stop)
+
+
+class JsonlSource:
+    """Tasks from a JSONL file, one per line: ``{"domain", "prompt", "spec", "max_turns"?}``; read once."""
+
+    def __init__(self, path: str | Path, name: str | None = None) -> None:
+        self.path = Path(path)
+        self.name = name or f"file:{self.path.name}"
+        self.domain: str | None = None
+        self._lines: Iterator[tuple[int, dict[str, Any]]] | None = None
+
+    def _read(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        with self.path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, json.loads(line)
+
+    def next(self, difficulty: float) -> SourcedTask | None:
+        if self._lines is None:
+            self._lines = self._read()
+        item = next(self._lines, None)
+        if item is None:
+            return None
+        lineno, row = item
+        where = f"{self.path}:{lineno}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        missing = [k for k in ("domain", "prompt", "spec") if k not in row]
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
+        domain = DOMAINS.get(row["domain"])
+        max_turns = int(row.get("max_turns", domain.turns(row["spec"]) if domain else 1))
+        return SourcedTask(domain=row["domain"], prompt=row["prompt"], spec=row["spec"], max_turns=max_turns,
+                           stop=domain.stop if domain else ())
+
+
+# -- the actor -------------------------------------------------------------------------------------
+
+class SchedulerActor(Actor):
+    """Publishes admitted tasks to ``rollout.tasks`` (see the module docstring)."""
+
+    role: ClassVar[str] = "scheduler"
+    publish_batch: int = 64
+    """Tasks sent before waiting for the broker's acknowledgements."""
+    status_interval_s: float = 1.0
+
+    def __init__(self, rt: Runtime, name: str | None = None, *, sources: Sequence[TaskSource] | None = None,
+                 fixed_difficulty: float = 0.0) -> None:
+        super().__init__(name)
+        self.rt = rt
+        cfg = rt.cfg.scheduler
+        self.cfg = cfg
+        self.names: Names = rt.names
+        if sources is None:
+            unknown = sorted(set(cfg.domains) - set(DOMAINS))
+            if unknown:
+                raise ValueError(f"scheduler.domains names unknown domains {unknown}; known: {sorted(DOMAINS)}")
+            sources = [GeneratorSource(DOMAINS[d], cfg.seed) for d in cfg.domains]
+        self.sources = {s.name: s for s in sources}
+        self.mixer = DomainMixer({n: cfg.domains.get(n, 1.0) for n in self.sources})
+        self.curriculum = Curriculum()
+        self.fixed_difficulty = fixed_difficulty
+        self.admission = Admission(batch_size=rt.cfg.learner.batch_size, max_staleness=cfg.max_staleness)
+        self.learner = LearnerStatus()
+        self._rng = random.Random(f"scheduler:{cfg.seed}")
+        self._changed = anyio.Event()
+        self._bucket = self.names.bucket(rt.cfg.nats.kv_bucket)
+        self.admitted_samples = 0
+        self.tasks_admitted = 0
+        self.blocked_waits = 0
+        self.done = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def setup(self) -> None:
+        saved = await self.rt.require_nats().kv_get(self._bucket, SCHEDULER_STATUS_KEY)
+        if saved:
+            status = json.loads(saved)
+            self.admitted_samples = int(status.get("admitted_samples", 0))
+            self.tasks_admitted = int(status.get("tasks_admitted", 0))
+            log.info("%s: resuming at %d tasks / %d samples admitted", self.name, self.tasks_admitted,
+                     self.admitted_samples)
+        self.learner = LearnerStatus.from_json(await self.rt.require_nats().kv_get(self._bucket,
+                                                                                    Names.LEARNER_VERSION_KEY))
+
+    async def serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_learner)
+            tg.start_soon(self._watch_stats)
+            try:
+                await self._admit()
+            finally:
+                tg.cancel_scope.cancel()
+        await self.put_status()
+
+    # -- admission loop ------------------------------------------------------------------------
+    async def _admit(self) -> None:
+        pending: list[Any] = []
+        last_status = time.monotonic()
+        group_size = self.cfg.group_size
+        while not self.draining:
+            if self.cfg.max_tasks is not None and self.tasks_admitted >= self.cfg.max_tasks:
+                self.done = True
+                break
+            if not self.admission.can_admit(self.admitted_samples, group_size, self.learner):
+                await self._settle(pending)
+                self.blocked_waits += 1
+                await self.wait_changed(timeout_s=0.5)
+                continue
+            task = self._next_task()
+            if task is None:
+                self.done = True
+                log.info("%s: every task source is exhausted", self.name)
+                break
+            await self.rt.producer.wait_room()
+            fut, _ = self.rt.producer.send_nowait(self.names.tasks, task, key=task.task_id)
+            pending.append(fut)
+            self.admitted_samples += group_size
+            self.tasks_admitted += 1
+            if len(pending) >= self.publish_batch:
+                await self._settle(pending)
+            if time.monotonic() - last_status >= self.status_interval_s:
+                await self._settle(pending)
+                await self.put_status()
+                last_status = time.monotonic()
+            await anyio.lowlevel.checkpoint()
+        await self._settle(pending)
+
+    @staticmethod
+    async def _settle(pending: list[Any]) -> None:
+        """Wait until every task sent so far is acknowledged by the broker."""
+        for fut in pending:
+            await fut
+        pending.clear()
+
+    def _next_task(self) -> Task | None:
+        while True:
+            name = self.mixer.pick(self._rng)
+            if name is None:
+                return None
+            source = self.sources[name]
+            difficulty = (self.curriculum.difficulty(source.domain) if self.cfg.curriculum and source.domain
+                          else self.fixed_difficulty)
+            sourced = source.next(difficulty)
+            if sourced is None:
+                self.mixer.remove(name)
+                continue
+            sampling = {"max_new_tokens": self.rt.cfg.inference.max_new_tokens,
+                        "temperature": self.rt.cfg.inference.temperature}
+            if sourced.stop:
+                sampling["stop"] = list(sourced.stop)
+            return Task(task_id=f"{sourced.domain}-{uuid.uuid4().hex[:20]}", domain=sourced.domain,
+                        prompt=sourced.prompt, spec=sourced.spec, group_size=self.cfg.group_size,
+                        sampling=sampling, max_turns=sourced.max_turns, admitted_version=self.learner.version,
+                        difficulty=sourced.difficulty)
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Wait until the learner status or the statistics change, or ``timeout_s`` passes."""
+        event = self._changed
+        with anyio.move_on_after(timeout_s):
+            await event.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    # -- watchers ------------------------------------------------------------------------------
+    async def _watch_learner(self) -> None:
+        async for raw in self.rt.require_nats().kv_watch(self._bucket, Names.LEARNER_VERSION_KEY):
+            try:
+                status = LearnerStatus.from_json(raw)
+            except (ValueError, TypeError) as exc:
+                log.warning("%s: ignoring an unreadable learner status %r: %s", self.name, raw[:200], exc)
+                continue
+            if status.version < self.learner.version:
+                log.warning("%s: learner version went back from %d to %d", self.name, self.learner.version,
+                            status.version)
+            self.learner = status
+            self._notify()
+
+    async def _watch_stats(self) -> None:
+        async for raw in self.rt.require_nats().kv_watch(self._bucket, REWARD_STATS_KEY):
+            try:
+                domains = json.loads(raw).get("domains", {})
+            except (ValueError, AttributeError) as exc:
+                log.warning("%s: ignoring unreadable reward statistics: %s", self.name, exc)
+                continue
+            self.apply_stats(domains)
+            self._notify()
+
+    def apply_stats(self, domains: dict[str, dict[str, Any]]) -> None:
+        """Rebalance weights and move the curriculum from per-domain statistics."""
+        for source in self.sources.values():
+            stats = domains.get(source.domain or "")
+            if not stats:
+                continue
+            if self.cfg.rebalance:
+                self.mixer.rebalance(source.name, stats)
+            if self.cfg.curriculum and source.domain:
+                self.curriculum.observe(source.domain, int(stats.get("count", 0)), float(stats.get("success", 0.0)))
+
+    # -- status --------------------------------------------------------------------------------
+    async def put_status(self) -> None:
+        """Write the scheduler's counters to the control KV bucket."""
+        await self.rt.require_nats().kv_put(self._bucket, SCHEDULER_STATUS_KEY, json.dumps(self.status()).encode())
+
+    def status(self) -> dict[str, Any]:
+        return {"admitted_samples": self.admitted_samples, "tasks_admitted": self.tasks_admitted,
+                "learner_version": self.learner.version, "done": self.done,
+                "capacity": self.admission.capacity(self.learner.version), "weights": self.mixer.weights,
+                "difficulty": {s.domain: self.curriculum.difficulty(s.domain) for s in self.sources.values()
+                               if s.domain}, "updated_at": time.time()}
+
+    def statistics(self) -> dict[str, Any]:
+        stats = super().statistics()
+        stats.update(self.status(), blocked_waits=self.blocked_waits)
+        return stats

@@ -1,0 +1,117 @@
+"""The reward actor against the real broker and nats-server: groups, zero variance, stragglers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from actors.reward import REWARD_STATS_KEY, RewardActor, experience_message_id
+from actors.runtime import Runtime
+from engine.config import EngineConfig, KafkaConfig, NatsConfig, RewardConfig
+from engine.schemas import Completion, Experience, Outcome
+from streams.kafka import Consumer
+
+pytestmark = pytest.mark.anyio
+
+GROUP = 4
+
+
+def _outcome(task_id: str, index: int, correct: bool) -> Outcome:
+    n = 3
+    completion = Completion(
+        sample_id=f"{task_id}/{index}", task_id=task_id, domain="arith", group_index=index, group_size=GROUP,
+        prompt_ids=np.arange(4, dtype=np.int32), response_ids=np.arange(n, dtype=np.int32),
+        logprobs=np.full(n, -0.5, np.float32), loss_mask=np.ones(n, np.uint8),
+        weight_versions=np.zeros(n, np.int32), text="19" if correct else "18", finish_reason="stop",
+        spec={"answer": "19"})
+    return Outcome(completion=completion.to_body(), facts={"correct": correct, "extracted": completion.text},
+                   verifier="answer")
+
+
+async def _until(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
+    with anyio.fail_after(timeout_s):
+        while not cond():
+            await anyio.sleep(0.05)
+
+
+async def test_groups_zero_variance_and_stragglers(kafka_bootstrap: str, nats_url: str, unique_name: str) -> None:
+    cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1),
+                       nats=NatsConfig(url=nats_url),
+                       reward=RewardConfig(group_timeout_s=1.5, normalize="group_std", drop_zero_variance=True))
+    got: list[Experience] = []
+    async with Runtime(cfg) as rt:
+        actor = RewardActor(rt)
+        actor.stats_interval_s = 0.2
+        out = Consumer(cfg.kafka, assign=[(rt.names.experience, 0)], expect=(Experience.SCHEMA,))
+        async with out, anyio.create_task_group() as tg:
+            tg.start_soon(actor.run)
+
+            async def collect(n: int, timeout_s: float = 30) -> None:
+                with anyio.fail_after(timeout_s):
+                    while len(got) < n:
+                        for record in await out.getmany(timeout_s=0.2):
+                            assert isinstance(record.message, Experience)
+                            assert record.message_id == experience_message_id(record.message.sample_id)
+                            got.append(record.message)
+
+            def of(task_id: str) -> list[Experience]:
+                return sorted((e for e in got if e.task_id == task_id), key=lambda e: e.sample_id)
+
+            # a group with signal, and a group where every sample is right
+            mixed = [_outcome("mixed", i, c) for i, c in enumerate((True, False, False, True))]
+            for i, o in enumerate(mixed):
+                await rt.producer.send(rt.names.outcomes, o, key="mixed", message_id=f"mixed-{i}")
+            for i in range(GROUP):
+                await rt.producer.send(rt.names.outcomes, _outcome("flat", i, True), key="flat")
+            await collect(8)
+            assert [e.reward for e in of("mixed")] == [1.0, 0.0, 0.0, 1.0]
+            assert sum(e.advantage for e in of("mixed")) == pytest.approx(0.0, abs=1e-6)
+            assert [round(e.advantage, 3) for e in of("mixed")] == [1.0, -1.0, -1.0, 1.0]
+            assert all(e.filtered == "" for e in of("mixed"))
+            assert all(e.filtered == "zero_variance" and e.advantage == 0.0 for e in of("flat"))
+
+            # a group missing one sample: held (not acknowledged) until the timeout flushes it
+            for i, c in enumerate((True, False, True)):
+                await rt.producer.send(rt.names.outcomes, _outcome("late", i, c), key="late")
+            await _until(lambda: actor.assembler.pending_samples == 3, 10, "late group pending")
+            assert actor.consumer is not None and actor.consumer.statistics()["in_flight"] >= 3
+            await collect(11)
+            late = of("late")
+            assert len(late) == 3 and all(e.filtered == "" for e in late)
+            assert sum(e.advantage for e in late) == pytest.approx(0.0, abs=1e-6)
+            await _until(lambda: actor.consumer is not None and actor.consumer.statistics()["in_flight"] == 0, 10,
+                         "late group acknowledged")
+
+            # re-deliveries: the same message id, then the same sample under a new message id
+            await rt.producer.send(rt.names.outcomes, mixed[0], key="mixed", message_id="mixed-0")
+            await rt.producer.send(rt.names.outcomes, mixed[1], key="mixed")
+            await _until(lambda: actor.duplicates == 2, 10, "duplicates dropped")
+
+            # the straggler arrives after its group was emitted
+            await rt.producer.send(rt.names.outcomes, _outcome("late", 3, False), key="late")
+            await collect(12)
+            straggler = [e for e in of("late") if e.sample_id == "late/3"]
+            assert len(straggler) == 1 and straggler[0].filtered == "straggler" and straggler[0].advantage == 0.0
+            assert len({e.sample_id for e in got}) == len(got) == 12  # every sample exactly once
+
+            bucket = rt.names.bucket(cfg.nats.kv_bucket)
+            stats: dict[str, Any] = {}
+
+            async def stats_written() -> None:
+                with anyio.fail_after(10):
+                    while True:
+                        raw = await rt.require_nats().kv_get(bucket, REWARD_STATS_KEY)
+                        if raw and json.loads(raw)["domains"].get("arith", {}).get("stragglers") == 1:
+                            stats.update(json.loads(raw)["domains"]["arith"])
+                            return
+                        await anyio.sleep(0.1)
+
+            await stats_written()
+            assert stats["count"] == 12 and stats["groups"] == 3 and stats["zero_variance_groups"] == 1
+            assert stats["timed_out_groups"] == 1 and stats["mean"] == pytest.approx(8 / 12)
+            actor.request_drain()
