@@ -135,6 +135,10 @@ class DockerSandbox(Sandbox):
                     (err if buf[0] == 2 else out).feed(buf[8 : 8 + size])
                     buf = buf[8 + size :]
         finally:
+            # ``sock`` is a SocketIO holding an io reference on ``raw``: close both, or the socket is
+            # only marked closed and leaks its descriptor until garbage collection.
+            if sock is not raw:
+                sock.close()
             raw.close()
         code = api.exec_inspect(exec_id).get("ExitCode")
         return code, out, err

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from sandboxes.base import Sandbox
+from sandboxes.base import ExecResult, Sandbox
 from sandboxes.pool import SandboxPool
 from sandboxes.session import SandboxSession
 
@@ -187,6 +187,8 @@ class TerminalEpisode:
         self.turns = 0
         self._stack = contextlib.AsyncExitStack()
         self.session: SandboxSession | None = None
+        self.last_result: ExecResult | None = None
+        """The result of the latest :meth:`step` (None before the first, or after ``max_turns``)."""
 
     async def open(self) -> None:
         sandbox = await self._stack.enter_async_context(_hold(self.source))
@@ -203,9 +205,11 @@ class TerminalEpisode:
         if self.session is None:
             raise RuntimeError("TerminalEpisode.open() first")
         if self.done:
+            self.last_result = None
             return f"[episode over: max_turns={self.max_turns} reached]"
         self.turns += 1
         result = await self.session.run(command, timeout=self.spec.get("timeout_s"))
+        self.last_result = result
         text = result.stdout + result.stderr
         if len(text) > OBSERVATION_BYTES or result.truncated:
             text = text[:OBSERVATION_BYTES] + "\n[output truncated]"
@@ -226,6 +230,10 @@ class TerminalEpisode:
             return {"checks_passed": passed, "checks_total": len(checks), "turns": self.turns}
         finally:
             await self._stack.aclose()
+
+    async def abandon(self) -> None:
+        """Release the sandbox without running the checks (an idle or orphaned episode). Idempotent."""
+        await self._stack.aclose()
 
 
 def extract_commands(text: str) -> list[str]:

@@ -8,6 +8,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 
 from sandboxes import Limits, SandboxPool, open_sandbox
@@ -38,7 +39,7 @@ async def test_fork_bomb_is_contained_and_next_sandbox_works(pool: SandboxPool) 
     async with pool.acquire() as sb:
         result = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 2", timeout=3)
         assert "Cannot fork" in result.stderr or result.timed_out  # the pids limit held
-        assert not sb.cgroups.pids()  # type: ignore[attr-defined]
+        assert set(sb.cgroups.pids()) <= sb.init_pids  # type: ignore[attr-defined]  # only bwrap + init
     async with pool.acquire() as sb:
         assert (await sb.exec("echo alive")).stdout == "alive\n"
 
@@ -219,3 +220,27 @@ async def test_terminal_episode_keeps_state_between_turns(pool: SandboxPool) -> 
     completion = "```bash\nmkdir sub && cd sub\n```\n```bash\nexport SRC=/work/in.txt\n```\n```bash\ncp $SRC out.txt\n```"
     facts = await verify_terminal(completion, spec, pool)
     assert facts == {"checks_passed": 1, "checks_total": 2, "turns": 3}
+
+
+@pytest.mark.anyio
+async def test_the_init_survives_attacks_from_inside() -> None:
+    async with open_sandbox("bwrap", Limits(memory_mb=64)) as sb:
+        init_pids = sb.init_pids  # type: ignore[attr-defined]
+        await sb.exec("kill -9 1; kill -9 -1; kill -STOP 1")
+        code = "try:\n    open('/proc/1/mem', 'rb').read(1)\n    print('READ')\nexcept OSError:\n    print('denied')\n"
+        assert (await sb.exec(["python3", "-c", code])).stdout == "denied\n"
+        bomb = await sb.exec(["python3", "-c", "x = bytearray(512 << 20); x[::4096] = b'x' * (len(x) // 4096)"])
+        assert bomb.oom_killed
+        assert (await sb.exec("echo alive")).stdout == "alive\n"
+        assert sb.init_pids == init_pids  # type: ignore[attr-defined]  # the same init all along
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_exec_does_not_confuse_the_next_one() -> None:
+    async with open_sandbox("bwrap", Limits()) as sb:
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.5):
+                await sb.exec("sleep 30; echo late")
+        assert set(sb.cgroups.pids()) <= sb.init_pids  # type: ignore[attr-defined]
+        result = await sb.exec("echo next")
+        assert (result.stdout, result.exit_code) == ("next\n", 0)

@@ -1,0 +1,478 @@
+"""The sandbox role: multi-turn episode steps and verification, two stream actors sharing one pool.
+
+- :class:`EpisodeActor` consumes ``rollout.sandbox.requests`` (key episode_id). ``open`` takes a
+  sandbox from the pool for the whole episode (a :class:`~sandboxes.verifiers.TerminalEpisode`,
+  ``setup_files`` written), ``step`` runs a command in the episode's shell session, ``close`` runs the
+  final-state checks and gives the sandbox back (the pool resets it to pristine). Every reply goes to
+  ``rollout.sandbox.results`` at the request's ``reply_partition``, key episode_id.
+- :class:`VerifyActor` consumes ``rollout.completions`` (key task_id), picks a verifier by domain
+  (:data:`DOMAIN_VERIFIERS`, or ``spec["verifier"]``) and emits an :class:`~engine.schemas.Outcome`
+  to ``rollout.outcomes``, key task_id.
+
+Invariants:
+
+- Hostile model output or specs never crash an actor: a verifier that fails on them yields facts with
+  an ``error`` field and zero counts; absurd spec limits are clamped to the configured maxima
+  (:func:`clamp_spec`).
+- An infrastructure failure of the sandboxes themselves (``SandboxError``) is re-raised as a
+  ``StreamError``, so the actor crashes, the supervisor restarts it and the record is re-delivered
+  instead of being scored zero.
+- Episodes live in the memory of the process that opened them. A step for an episode this process
+  does not hold (the partition moved, the process restarted, the episode idled out) is answered with
+  ``error="episode_unknown"``. Requests of one episode are handled one at a time, in arrival order,
+  and a re-delivered request already answered is answered again from a cache, not re-executed.
+
+Wiring (``rollout run``)::
+
+    async with SandboxResources(cfg.sandbox) as resources:      # the pool lives as long as this block
+        for name, factory in build_sandbox_actors(rt, resources):
+            supervisor.add(name, factory)
+        await supervisor.run()
+
+Without ``resources`` the actors share one created on demand: the pool starts with the first actor's
+``setup`` and closes with the last ``teardown`` (a restart of the only actor then re-creates it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, ClassVar
+
+from actors.runtime import Runtime, StreamActor
+from engine.actor import Actor
+from engine.config import SandboxConfig
+from engine.schemas import Completion, Outcome, SandboxRequest, SandboxResult
+from sandboxes import Limits, SandboxError, SandboxPool
+from sandboxes.verifiers import VERIFIERS, Facts, TerminalEpisode
+from streams.kafka import Record, StreamError
+
+log = logging.getLogger("rollout.actors.sandbox")
+
+DOMAIN_VERIFIERS: dict[str, str] = {"arith": "answer", "math": "answer", "code": "code", "terminal": "terminal"}
+"""Domain name -> verifier kind (a key of ``sandboxes.verifiers.VERIFIERS``); ``spec["verifier"]`` overrides."""
+
+EPISODE_UNKNOWN = "episode_unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxSettings:
+    """Knobs of the sandbox role beyond :class:`engine.config.SandboxConfig` (same meaning, same units)."""
+
+    idle_timeout_s: float = 300.0
+    """An episode with no request for this long is closed (sandbox released, no checks run)."""
+    open_timeout_s: float = 30.0
+    """How long an ``open`` waits for a free sandbox before replying ``sandbox_unavailable``."""
+    episode_share: float = 0.75
+    """Fraction of ``max_sandboxes`` episodes may hold, so verification never starves."""
+    max_tests: int = 64
+    """Most tests of one code spec that are run; further ones count as failed."""
+    max_turns: int = 64
+    """Largest ``max_turns`` an episode spec may ask for."""
+    reply_cache: int = 4096
+    """Replies remembered for re-delivered requests."""
+
+    def __post_init__(self) -> None:
+        if self.idle_timeout_s <= 0 or self.open_timeout_s <= 0:
+            raise ValueError("SandboxSettings: timeouts must be > 0")
+        if not 0 < self.episode_share <= 1:
+            raise ValueError(f"SandboxSettings.episode_share must be in (0, 1], got {self.episode_share}")
+
+
+# -- spec hygiene -----------------------------------------------------------------------------------
+
+
+def _bounded(value: Any, maximum: float, *, integer: bool = False) -> tuple[float | int, bool]:
+    """``value`` as a positive finite number no larger than ``maximum``; second item: was it changed."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    bounded = min(value, maximum) if ok else maximum
+    if integer:
+        bounded = max(1, int(bounded))
+    return bounded, not ok or bounded != value
+
+
+def clamp_spec(spec: dict[str, Any], cfg: SandboxConfig, settings: SandboxSettings) -> tuple[dict[str, Any], list[str]]:
+    """A copy of ``spec`` whose limits are within the configured maxima, and the fields that were changed.
+
+    Limits a spec may carry: ``timeout_s`` (per command), ``checks[i].timeout_s``, ``max_turns``,
+    ``memory_mb`` and ``pids`` (the pool's sandboxes have the configured ones whatever the spec says).
+    A missing or non-numeric limit becomes the maximum.
+    """
+    out = dict(spec)
+    clamped: list[str] = []
+    maxima: dict[str, tuple[float, bool]] = {
+        "timeout_s": (cfg.timeout_s, False),
+        "max_turns": (settings.max_turns, True),
+        "memory_mb": (cfg.memory_mb, True),
+        "pids": (cfg.pids, True),
+    }
+    for name, (maximum, integer) in maxima.items():
+        if name in out:
+            out[name], changed = _bounded(out[name], maximum, integer=integer)
+            if changed:
+                clamped.append(name)
+    checks = out.get("checks")
+    if isinstance(checks, list):
+        fixed = []
+        for i, check in enumerate(checks):
+            if isinstance(check, dict):
+                check = dict(check)
+                check["timeout_s"], changed = _bounded(check.get("timeout_s", cfg.timeout_s), cfg.timeout_s)
+                if changed and "timeout_s" in checks[i]:
+                    clamped.append(f"checks[{i}].timeout_s")
+            fixed.append(check)
+        out["checks"] = fixed
+    tests = out.get("tests")
+    if isinstance(tests, list) and len(tests) > settings.max_tests:
+        out["tests"] = tests[: settings.max_tests]
+        clamped.append("tests")
+    return out, clamped
+
+
+def pick_verifier(domain: str, spec: dict[str, Any], registry: dict[str, str] | None = None) -> str:
+    """The verifier kind for a completion: ``spec["verifier"]`` if set, else the domain's entry."""
+    override = spec.get("verifier")
+    if override is not None:
+        if override not in VERIFIERS:
+            raise ValueError(f"spec.verifier {override!r} is not one of {sorted(VERIFIERS)}")
+        return str(override)
+    kind = (registry or DOMAIN_VERIFIERS).get(domain)
+    if kind is None:
+        raise ValueError(f"no verifier for domain {domain!r}")
+    return kind
+
+
+def failed_facts(kind: str, spec: dict[str, Any], error: str) -> Facts:
+    """Facts of a verification that could not be carried out: an ``error`` and nothing passed."""
+    facts: Facts = {"error": error[:2000]}
+    if kind == "answer":
+        facts.update(extracted=None, correct=False)
+    elif kind == "code":
+        tests = spec.get("tests")
+        facts.update(passed=0, total=len(tests) if isinstance(tests, list) else 0, tests=[], exit_codes=[])
+    elif kind == "terminal":
+        checks = spec.get("checks")
+        facts.update(checks_passed=0, checks_total=len(checks) if isinstance(checks, list) else 0, turns=0)
+    return facts
+
+
+# -- shared resources -------------------------------------------------------------------------------
+
+
+class SandboxResources:
+    """The one :class:`SandboxPool` of a process, shared by its sandbox actors (reference-counted).
+
+    ``async with SandboxResources(cfg) as res`` holds a reference for the block; each actor holds one
+    from its ``setup`` to its ``teardown``. The pool starts with the first reference and closes with
+    the last.
+    """
+
+    def __init__(self, cfg: SandboxConfig, settings: SandboxSettings | None = None) -> None:
+        self.cfg = cfg
+        self.settings = settings or SandboxSettings()
+        self.limits = Limits(memory_mb=cfg.memory_mb, pids=cfg.pids, timeout_s=cfg.timeout_s)
+        self._pool: SandboxPool | None = None
+        self._refs = 0
+        self._lock = asyncio.Lock()
+
+    @property
+    def pool(self) -> SandboxPool:
+        if self._pool is None:
+            raise RuntimeError("SandboxResources is not acquired")
+        return self._pool
+
+    @property
+    def max_episodes(self) -> int:
+        return max(1, int(self.cfg.max_sandboxes * self.settings.episode_share))
+
+    async def acquire(self) -> SandboxPool:
+        async with self._lock:
+            if self._pool is None:
+                pool = SandboxPool(self.cfg.backend, self.limits, size=min(self.cfg.pool_size, self.cfg.max_sandboxes),
+                                   max_size=self.cfg.max_sandboxes)
+                try:
+                    await pool.start()
+                except SandboxError as exc:
+                    await pool.close()
+                    raise StreamError(f"cannot start the {self.cfg.backend} sandbox pool: {exc}") from exc
+                self._pool = pool
+            self._refs += 1
+            return self._pool
+
+    async def release(self) -> None:
+        async with self._lock:
+            self._refs -= 1
+            if self._refs == 0 and self._pool is not None:
+                pool, self._pool = self._pool, None
+                await pool.close()
+
+    async def __aenter__(self) -> SandboxResources:
+        await self.acquire()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+@contextlib.asynccontextmanager
+async def sandbox_resources(cfg: SandboxConfig, settings: SandboxSettings | None = None) -> AsyncIterator[SandboxResources]:
+    """``async with sandbox_resources(cfg.sandbox) as res:`` the shared pool, started and closed."""
+    async with SandboxResources(cfg, settings) as resources:
+        yield resources
+
+
+class _SandboxActorBase(StreamActor):
+    """Holds a reference to the shared resources from setup to teardown."""
+
+    def __init__(self, rt: Runtime, resources: SandboxResources, name: str | None = None) -> None:
+        super().__init__(rt, name)
+        self.resources = resources
+        self.concurrency = resources.cfg.max_sandboxes
+        self._holding = False
+
+    async def setup(self) -> None:
+        await self.resources.acquire()
+        self._holding = True
+        await super().setup()
+
+    async def teardown(self) -> None:
+        try:
+            await super().teardown()
+        finally:
+            if self._holding:
+                self._holding = False
+                await self.resources.release()
+
+
+# -- episodes ---------------------------------------------------------------------------------------
+
+
+class _KeyedLocks:
+    """One FIFO lock per key, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+@dataclasses.dataclass(slots=True)
+class _Live:
+    episode: TerminalEpisode
+    last_used: float
+
+
+class EpisodeActor(_SandboxActorBase):
+    """Runs multi-turn episodes: ``rollout.sandbox.requests`` -> ``rollout.sandbox.results``."""
+
+    role: ClassVar[str] = "sandbox.episodes"
+    topics: ClassVar[list[str]] = ["sandbox.requests"]
+    expect: ClassVar[tuple[str, ...]] = (SandboxRequest.SCHEMA,)
+
+    def __init__(self, rt: Runtime, resources: SandboxResources, name: str | None = None) -> None:
+        super().__init__(rt, resources, name)
+        self.settings = resources.settings
+        self.episodes: dict[str, _Live] = {}
+        self._locks = _KeyedLocks()
+        self._replies: collections.OrderedDict[tuple[str, int, str], SandboxResult] = collections.OrderedDict()
+        self._next_idle_check = 0.0
+        self.opened = self.closed = self.idle_closed = self.replayed = self.unknown = 0
+
+    async def handle(self, record: Record) -> None:
+        req = record.message
+        assert isinstance(req, SandboxRequest)
+        partitions = self.rt.partitions("sandbox.results")
+        if req.reply_partition >= partitions:
+            raise ValueError(f"reply_partition {req.reply_partition} >= {partitions} partitions of sandbox.results")
+        key = (req.episode_id, req.step, req.action)
+        async with self._locks.hold(req.episode_id):
+            reply = self._replies.get(key)
+            if reply is not None:
+                self.replayed += 1
+            else:
+                reply = await self._answer(req)
+                if not reply.error or reply.error == EPISODE_UNKNOWN:
+                    self._remember(key, reply)
+        self.emit(record, self.rt.names.sandbox_results, reply, key=req.episode_id, partition=req.reply_partition)
+
+    def _remember(self, key: tuple[str, int, str], reply: SandboxResult) -> None:
+        self._replies[key] = reply
+        while len(self._replies) > self.settings.reply_cache:
+            self._replies.popitem(last=False)
+
+    async def _answer(self, req: SandboxRequest) -> SandboxResult:
+        try:
+            if req.action == "open":
+                return await self._open(req)
+            live = self.episodes.get(req.episode_id)
+            if live is None:
+                self.unknown += 1
+                return SandboxResult(episode_id=req.episode_id, step=req.step, observation="", error=EPISODE_UNKNOWN)
+            live.last_used = time.monotonic()
+            if req.action == "step":
+                return await self._step(req, live)
+            return await self._close(req, live)
+        except SandboxError as exc:
+            raise StreamError(f"sandbox failure in episode {req.episode_id}: {exc}") from exc
+
+    async def _open(self, req: SandboxRequest) -> SandboxResult:
+        ok = SandboxResult(episode_id=req.episode_id, step=req.step, observation="")
+        if req.episode_id in self.episodes:  # a re-delivered open whose reply fell out of the cache
+            return ok
+        if len(self.episodes) >= self.resources.max_episodes:
+            return dataclasses.replace(ok, error="too_many_episodes")
+        spec, clamped = clamp_spec(req.spec, self.resources.cfg, self.settings)
+        episode = TerminalEpisode(spec, self.resources.pool)
+        try:
+            await asyncio.wait_for(episode.open(), self.settings.open_timeout_s)
+        except asyncio.TimeoutError:
+            await episode.abandon()
+            return dataclasses.replace(ok, error="sandbox_unavailable")
+        except SandboxError:
+            await episode.abandon()
+            raise
+        except Exception as exc:  # a spec the episode cannot be set up from (bad setup_files, ...)
+            await episode.abandon()
+            return dataclasses.replace(ok, error=f"bad_spec: {type(exc).__name__}: {exc}"[:2000])
+        self.episodes[req.episode_id] = _Live(episode, time.monotonic())
+        self.opened += 1
+        return dataclasses.replace(ok, facts={"clamped": clamped} if clamped else {})
+
+    async def _step(self, req: SandboxRequest, live: _Live) -> SandboxResult:
+        observation = await live.episode.step(req.command)
+        result = live.episode.last_result
+        live.last_used = time.monotonic()
+        return SandboxResult(
+            episode_id=req.episode_id,
+            step=req.step,
+            observation=observation,
+            exit_code=None if result is None else result.exit_code,
+            timed_out=False if result is None else result.timed_out,
+            error="" if result is not None else "max_turns",
+        )
+
+    async def _close(self, req: SandboxRequest, live: _Live) -> SandboxResult:
+        del self.episodes[req.episode_id]
+        facts = await live.episode.finish()
+        self.closed += 1
+        return SandboxResult(episode_id=req.episode_id, step=req.step, observation="", facts=facts)
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        if now < self._next_idle_check:
+            return
+        self._next_idle_check = now + min(1.0, self.settings.idle_timeout_s / 4)
+        idle = [eid for eid, live in self.episodes.items() if now - live.last_used > self.settings.idle_timeout_s]
+        for episode_id in idle:
+            async with self._locks.hold(episode_id):
+                live = self.episodes.get(episode_id)
+                if live is None or time.monotonic() - live.last_used <= self.settings.idle_timeout_s:
+                    continue  # closed or used while we waited for the lock
+                del self.episodes[episode_id]
+                log.info("%s: closing episode %s, idle for %.0fs", self.name, episode_id, now - live.last_used)
+                await live.episode.abandon()
+                self.idle_closed += 1
+
+    async def teardown(self) -> None:
+        episodes, self.episodes = self.episodes, {}
+        try:
+            for live in episodes.values():
+                await live.episode.abandon()
+        finally:
+            await super().teardown()
+
+    def statistics(self) -> dict[str, Any]:
+        stats = super().statistics()
+        stats.update(episodes=len(self.episodes), opened=self.opened, closed=self.closed,
+                     idle_closed=self.idle_closed, replayed=self.replayed, unknown=self.unknown)
+        return stats
+
+
+# -- verification -----------------------------------------------------------------------------------
+
+
+class VerifyActor(_SandboxActorBase):
+    """Turns completions into outcomes: ``rollout.completions`` -> ``rollout.outcomes``."""
+
+    role: ClassVar[str] = "sandbox.verify"
+    topics: ClassVar[list[str]] = ["completions"]
+    expect: ClassVar[tuple[str, ...]] = (Completion.SCHEMA,)
+
+    def __init__(self, rt: Runtime, resources: SandboxResources, name: str | None = None,
+                 registry: dict[str, str] | None = None) -> None:
+        super().__init__(rt, resources, name)
+        self.registry = {**DOMAIN_VERIFIERS, **(registry or {})}
+        self.verified: collections.Counter[str] = collections.Counter()
+        self.verifier_errors = 0
+
+    async def handle(self, record: Record) -> None:
+        completion = record.message
+        assert isinstance(completion, Completion)
+        start = time.perf_counter()
+        kind, facts, error = await self.verify(completion)
+        self.verified[kind] += 1
+        outcome = Outcome(completion=completion.to_body(), facts=facts, verifier=kind,
+                          verify_s=time.perf_counter() - start, error=error)
+        self.emit(record, self.rt.names.outcomes, outcome, key=completion.task_id)
+
+    async def verify(self, completion: Completion) -> tuple[str, Facts, str]:
+        """(verifier kind, facts, error); never raises on bad model output or specs."""
+        try:
+            kind = pick_verifier(completion.domain, completion.spec, self.registry)
+        except ValueError as exc:
+            self.verifier_errors += 1
+            return "none", {"error": str(exc)}, str(exc)
+        if kind == "terminal" and completion.episode_facts:
+            return kind, dict(completion.episode_facts), ""  # judged when the episode closed
+        spec, clamped = clamp_spec(completion.spec, self.resources.cfg, self.resources.settings)
+        try:
+            source = None if kind == "answer" else self.resources.pool
+            facts = await VERIFIERS[kind](completion.text, spec, source)
+        except SandboxError as exc:
+            raise StreamError(f"sandbox failure verifying {completion.sample_id}: {exc}") from exc
+        except Exception as exc:  # hostile output or a malformed spec: a zero score, not a crash
+            self.verifier_errors += 1
+            error = f"{type(exc).__name__}: {exc}"
+            log.info("%s: %s verifier failed on %s: %s", self.name, kind, completion.sample_id, error)
+            return kind, failed_facts(kind, spec, error), error
+        if clamped:
+            facts["clamped"] = clamped
+        return kind, facts, ""
+
+    def statistics(self) -> dict[str, Any]:
+        stats = super().statistics()
+        stats.update(verified=dict(self.verified), verifier_errors=self.verifier_errors)
+        return stats
+
+
+# -- wiring -----------------------------------------------------------------------------------------
+
+
+def build_sandbox_actors(rt: Runtime, resources: SandboxResources | None = None) -> list[tuple[str, Callable[[], Actor]]]:
+    """(name, factory) pairs for the supervisor: the episode actor and the verify actor of this process.
+
+    Both share ``resources`` (one pool); see the module docstring for who starts and stops it.
+    """
+    shared = resources or SandboxResources(rt.cfg.sandbox)
+    return [
+        ("sandbox.episodes", lambda: EpisodeActor(rt, shared)),
+        ("sandbox.verify", lambda: VerifyActor(rt, shared)),
+    ]

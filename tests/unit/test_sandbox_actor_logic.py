@@ -1,0 +1,71 @@
+"""Pure logic of actors/sandbox.py: spec clamping, verifier choice, failure facts, per-key locks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.sandbox import SandboxSettings, _KeyedLocks, clamp_spec, failed_facts, pick_verifier
+from engine.config import SandboxConfig
+
+CFG = SandboxConfig(timeout_s=10, memory_mb=256, pids=64)
+
+
+def test_absurd_limits_are_clamped_and_reported() -> None:
+    spec = {"timeout_s": 1e9, "memory_mb": 1 << 40, "pids": -5, "max_turns": "many",
+            "checks": [{"cmd": "true", "timeout_s": float("inf")}, {"cmd": "true"}], "answer": "42"}
+    out, clamped = clamp_spec(spec, CFG, SandboxSettings())
+    assert out["timeout_s"] == 10 and out["memory_mb"] == 256 and out["pids"] == 64 and out["max_turns"] == 64
+    assert [c["timeout_s"] for c in out["checks"]] == [10, 10]
+    assert sorted(clamped) == ["checks[0].timeout_s", "max_turns", "memory_mb", "pids", "timeout_s"]
+    assert out["answer"] == "42" and spec["timeout_s"] == 1e9  # the input is not modified
+
+
+def test_reasonable_limits_pass_unchanged() -> None:
+    spec = {"timeout_s": 2, "tests": [{"code": "pass"}] * 3}
+    assert clamp_spec(spec, CFG, SandboxSettings()) == (spec, [])
+
+
+def test_too_many_tests_are_cut() -> None:
+    out, clamped = clamp_spec({"tests": [{"code": "pass"}] * 100}, CFG, SandboxSettings(max_tests=5))
+    assert len(out["tests"]) == 5 and clamped == ["tests"]
+
+
+def test_verifier_by_domain_and_override() -> None:
+    assert pick_verifier("arith", {}) == "answer"
+    assert pick_verifier("code", {}) == "code"
+    assert pick_verifier("terminal", {}) == "terminal"
+    assert pick_verifier("code", {"verifier": "answer"}) == "answer"
+    assert pick_verifier("poetry", {}, {"poetry": "answer"}) == "answer"
+    with pytest.raises(ValueError, match="domain"):
+        pick_verifier("poetry", {})
+    with pytest.raises(ValueError, match="spec.verifier"):
+        pick_verifier("arith", {"verifier": "rm -rf /"})
+
+
+def test_failed_facts_score_nothing() -> None:
+    assert failed_facts("answer", {}, "boom") == {"error": "boom", "extracted": None, "correct": False}
+    code = failed_facts("code", {"tests": [1, 2]}, "boom")
+    assert (code["passed"], code["total"], code["error"]) == (0, 2, "boom")
+    assert failed_facts("code", {"tests": "x"}, "e")["total"] == 0
+    assert failed_facts("terminal", {"checks": [1]}, "e")["checks_passed"] == 0
+
+
+def test_keyed_locks_serialize_one_key_in_arrival_order_and_clean_up() -> None:
+    locks = _KeyedLocks()
+    order: list[str] = []
+
+    async def use(key: str, tag: str, delay: float) -> None:
+        async with locks.hold(key):
+            order.append(f"{tag}+")
+            await asyncio.sleep(delay)
+            order.append(f"{tag}-")
+
+    async def main() -> None:
+        await asyncio.gather(use("a", "a1", 0.02), use("a", "a2", 0), use("b", "b1", 0.01))
+
+    asyncio.run(main())
+    assert order.index("a1-") < order.index("a2+")
+    assert order.index("b1+") < order.index("a1-")  # other keys are not blocked
+    assert locks._locks == {}
