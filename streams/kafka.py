@@ -366,12 +366,16 @@ class Consumer:
     """
 
     def __init__(self, cfg: KafkaConfig, *, topics: list[str] | None = None, group: str | None = None,
-                 assign: list[tuple[str, int]] | None = None, expect: tuple[str, ...] | None = None,
+                 assign: list[tuple[str, int]] | None = None, assign_topics: list[str] | None = None,
+                 start_offsets: dict[tuple[str, int], int] | None = None, expect: tuple[str, ...] | None = None,
                  dead_letters: Producer | None = None, dlq_topic: str | None = None,
                  max_in_flight: int = 10000, max_poll_records: int = 500, from_end: bool = False,
                  client_id: str = "rollout", **overrides: Any) -> None:
-        if (topics is None) == (assign is None):
-            raise ValueError("give exactly one of topics (group subscription) or assign (manual partitions)")
+        if sum(x is not None for x in (topics, assign, assign_topics)) != 1:
+            raise ValueError("give exactly one of topics (group subscription), assign (manual partitions) "
+                             "or assign_topics (every partition of these topics)")
+        if start_offsets is not None and topics is not None:
+            raise ValueError("start_offsets needs a manual assignment (assign or assign_topics)")
         if topics is not None and group is None:
             raise ValueError("a subscription needs a consumer group")
         if dead_letters is not None and dlq_topic is None:
@@ -380,6 +384,8 @@ class Consumer:
         self.topics = topics
         self.group = group
         self.assignment = assign
+        self.assign_topics = assign_topics
+        self.start_offsets = start_offsets
         self.expect = expect
         self._dlq = dead_letters
         self._dlq_topic = dlq_topic
@@ -423,14 +429,31 @@ class Consumer:
         c = KafkaConsumer(**self._kwargs)
         if self.topics is not None:
             c.subscribe(self.topics, listener=_Listener(self))
-        else:
-            tps = [TopicPartition(t, p) for t, p in self.assignment or []]
-            c.assign(tps)
-            self.assigned = {(t, p) for t, p in self.assignment or []}
-            if self._from_end:
-                c.seek_to_end(*tps)
-                for tp in tps:  # resolve the position now so records produced after start() are seen
-                    c.position(tp)
+            return c
+        if self.assign_topics is not None:
+            # Partitions come from the broker, not from configuration: a topic grown by another
+            # deployment's config is still read whole.
+            self.assignment = []
+            for topic in self.assign_topics:
+                parts = c.partitions_for_topic(topic)
+                if not parts:
+                    c.close(autocommit=False)
+                    raise StreamError(f"topic {topic} has no partitions (not created?)")
+                self.assignment += [(topic, p) for p in sorted(parts)]
+        tps = [TopicPartition(t, p) for t, p in self.assignment or []]
+        c.assign(tps)
+        self.assigned = set(self.assignment or [])
+        if self.start_offsets is not None:
+            for tp in tps:  # an explicit start: the caller's offsets, else the beginning of the log
+                offset = self.start_offsets.get((tp.topic, tp.partition))
+                if offset is None:
+                    c.seek_to_beginning(tp)
+                else:
+                    c.seek(tp, offset)
+        elif self._from_end:
+            c.seek_to_end(*tps)
+            for tp in tps:  # resolve the position now so records produced after start() are seen
+                c.position(tp)
         return c
 
     async def __aenter__(self) -> "Consumer":

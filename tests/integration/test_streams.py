@@ -39,10 +39,18 @@ def _ready(path: Path) -> bool:
     return path.exists() and path.read_text().startswith("#ready")
 
 
+def _assigned(path: Path) -> int:
+    """The member's current partition count, from its last ``#assigned N`` line."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("#assigned")] if path.exists() else []
+    return int(lines[-1].split()[1]) if lines else 0
+
+
 async def _wait_for(cond, timeout_s: float, what: str, interval: float = 0.05) -> None:
-    with anyio.fail_after(timeout_s):
+    with anyio.move_on_after(timeout_s):
         while not cond():
             await anyio.sleep(interval)
+        return
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 async def test_group_of_three_with_a_sigkill_loses_nothing(kafka_bootstrap, unique_name, tmp_path):
@@ -55,23 +63,28 @@ async def test_group_of_three_with_a_sigkill_loses_nothing(kafka_bootstrap, uniq
                                "--group", group, "--out", str(o)], env=env) for o in outs]
     try:
         await _wait_for(lambda: all(_ready(o) for o in outs), 60, "consumers ready")
+        # every member holds partitions before the first record: the kill then hits a real owner
+        await _wait_for(lambda: all(_assigned(o) > 0 for o in outs) and sum(map(_assigned, outs)) == 6, 60,
+                        "the group to spread the 6 partitions over 3 members")
         sent: list[str] = []
+
+        def seen() -> set[str]:
+            return set().union(*(_ids(o) for o in outs))
+
         async with Producer(cfg, producer_id="test") as producer:
             for i in range(10_000):
                 await producer.wait_room()
                 _, mid = producer.send_nowait(topic, _task(i), key=f"task-{i}")
                 sent.append(mid)
-                if i == 3000:
+                if i % 500 == 499:
+                    # pace production to consumption, and kill one member once it has done part of its share
                     await producer.flush()
-                    # kill one member once it has processed part of its share
-                    await _wait_for(lambda: len(_ids(outs[0])) >= 200, 60, "victim progress")
-                    procs[0].send_signal(signal.SIGKILL)
-                    procs[0].wait(10)
+                    await _wait_for(lambda: len(seen()) >= len(sent) - 1000, 120, "consumers keeping up")
+                    if procs[0].poll() is None and len(_ids(outs[0])) >= 200:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[0].wait(10)
             await producer.flush()
         assert procs[0].returncode == -signal.SIGKILL
-
-        def seen() -> set[str]:
-            return set().union(*(_ids(o) for o in outs))
 
         await _wait_for(lambda: len(seen()) >= len(sent), 120, "all records consumed", interval=0.2)
         assert seen() == set(sent)  # nothing lost, nothing invented

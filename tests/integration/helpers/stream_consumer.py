@@ -1,6 +1,6 @@
 """A consumer-group member run as its own process by the stream integration tests.
 
-Appends the message id of every record it processes to OUT (one per line, flushed) *before*
+Writes ``#ready`` once started and ``#assigned N`` whenever its partition count changes; appends the message id of every record it processes to OUT (one per line, flushed) *before*
 acknowledging it, commits after each batch, and exits 0 on SIGTERM after a clean close. A SIGKILL
 therefore leaves processed-but-uncommitted records, which the group must re-deliver elsewhere.
 """
@@ -22,8 +22,12 @@ async def main(args: argparse.Namespace) -> None:
     async with Consumer(cfg, topics=[args.topic], group=args.group, max_poll_records=200) as consumer:
         with open(args.out, "a", buffering=1) as out:
             out.write(f"#ready {os.getpid()}\n")
+            assigned: set = set()
             while not stop.is_set():
                 records = await consumer.getmany(timeout_s=0.2)
+                if consumer.assigned != assigned:
+                    assigned = set(consumer.assigned)
+                    out.write(f"#assigned {len(assigned)}\n")
                 for r in records:
                     out.write(r.message_id + "\n")
                     r.ack()

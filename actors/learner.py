@@ -1,0 +1,190 @@
+"""The learner role: experience from Kafka in, weights over NATS and checkpoints out.
+
+``LearnerActor`` wraps the infrastructure-free ``Learner`` (``actors/learner_core.py``):
+
+- One learner per deployment. It reads *every* partition of ``rollout.experience`` by manual
+  assignment, starting at the offsets of its latest checkpoint (or the beginning); consumer-group
+  commits are not used: the checkpoint is the only record of what was consumed.
+- Each optimizer step is followed, in this order, by: a weight publication when the step closes a
+  ``publish_every`` interval (safetensors into the object store, then the manifest into KV), a
+  checkpoint every ``checkpoint_every`` steps, and the status JSON under ``Names.LEARNER_VERSION_KEY``.
+  Publishing before checkpointing means a checkpoint's version has always been announced.
+- On start the learner re-announces its weights when the KV holds no manifest or an older one; if
+  the KV holds a *newer* version (published after the checkpoint by a life that then crashed), it
+  republishes its checkpointed weights as ``latest + 1``: versions never repeat or go backwards.
+- ``max_steps`` ends ``serve()``; so does a drain. Both write a final checkpoint; records read but not
+  folded into a step stay unconsumed and are read again by the next life.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from actors.learner_checkpoint import CheckpointStore
+from actors.learner_core import Learner, Source, StepReport
+from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
+from actors.runtime import Runtime
+from engine.actor import Actor
+from engine.schemas import Experience
+from engine.topics import Names
+from streams.kafka import Consumer, StreamError
+from streams.weights import WeightPublisher
+
+log = logging.getLogger("rollout.learner")
+
+StepHook = Callable[[StepReport], None]
+
+
+class LearnerActor(Actor):
+    """Consumes experience, trains, publishes weights, checkpoints; see the module docstring."""
+
+    role: ClassVar[str] = "learner"
+
+    def __init__(self, rt: Runtime, model_dir: str | None = None, *, name: str | None = None,
+                 on_step: StepHook | None = None) -> None:
+        super().__init__(name)
+        self.rt = rt
+        self.cfg = rt.cfg.learner
+        self.model_dir = model_dir or rt.cfg.inference.model_dir
+        self.on_step = on_step
+        self.store = CheckpointStore(Path(self.cfg.checkpoint_dir) / rt.cfg.namespace)
+        self.learner: Learner | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.consumer: Consumer | None = None
+        self.publisher: WeightPublisher | None = None
+        self.resumed_from: Path | None = None
+        self.last_checkpoint: Path | None = None
+        self.published_version: int | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        self.learner, self.tokenizer = await anyio.to_thread.run_sync(self._load)
+        self.publisher = WeightPublisher(self.rt.require_nats(), self.rt.names, producer=self.name)
+        self.consumer = await Consumer(
+            self.rt.cfg.kafka, assign_topics=[self.rt.names.experience], start_offsets=dict(self.learner.offsets),
+            expect=(Experience.SCHEMA,), dead_letters=self.rt.producer, dlq_topic=self.rt.names.dlq,
+            client_id=f"learner-{self.rt.instance}").start()
+        await self._announce_on_start()
+        await self._put_status()
+
+    async def serve(self) -> None:
+        assert self.learner is not None and self.consumer is not None
+        learner = self.learner
+        while not self.draining and not self._reached_max_steps():
+            records = await self.consumer.getmany(timeout_s=0.2, max_records=4 * self.cfg.batch_size)
+            for record in records:
+                if self._reached_max_steps():
+                    break  # records past the last step stay unconsumed for the next life
+                exp = record.message
+                assert isinstance(exp, Experience)  # the consumer dead-letters every other schema
+                learner.offer(exp, (record.topic, record.partition), record.offset)
+                record.ack()
+                if learner.ready:
+                    await self._step()
+        await self._checkpoint()
+
+    async def teardown(self) -> None:
+        if self.consumer is not None:
+            consumer, self.consumer = self.consumer, None
+            await consumer.close()
+
+    # -- one step and what follows it ---------------------------------------------------------------
+    async def _step(self) -> None:
+        assert self.learner is not None
+        report = await anyio.to_thread.run_sync(self.learner.step)
+        self.last_metrics = report.metrics
+        if report.publish:
+            await self._publish()
+        if report.step % self.cfg.checkpoint_every == 0:
+            await self._checkpoint()
+        await self._put_status()
+        log.info("%s: step %d (judged at v%d): trained %d, stale %d, filtered %d, dup %d, loss %.4f",
+                 self.name, report.step, report.version, len(report.trained), len(report.dropped_stale),
+                 len(report.filtered), report.duplicates, report.metrics.get("loss", float("nan")))
+        if self.on_step is not None:
+            self.on_step(report)
+
+    async def _publish(self) -> None:
+        assert self.learner is not None and self.publisher is not None
+        learner = self.learner
+        with tempfile.TemporaryDirectory(prefix="rollout-weights-") as tmp:
+            await anyio.to_thread.run_sync(lambda: learner.model.save_pretrained(tmp, safe_serialization=True))
+            files: list[str | Path] = sorted(p for p in Path(tmp).iterdir() if p.is_file())
+            await self.publisher.publish(learner.version, files, step=learner.step_count)
+        self.published_version = learner.version
+
+    async def _checkpoint(self) -> None:
+        assert self.learner is not None and self.tokenizer is not None
+        learner, tokenizer = self.learner, self.tokenizer
+        self.last_checkpoint = await anyio.to_thread.run_sync(
+            lambda: self.store.save(learner.model, tokenizer, learner.optimizer.state_dict(), learner.progress()))
+
+    async def _put_status(self) -> None:
+        assert self.learner is not None
+        ledger = self.learner.ledger
+        status = {"version": self.learner.version, "step": self.learner.step_count, "consumed": ledger.consumed,
+                  "trained": ledger.trained, "dropped_stale": ledger.dropped_stale, "filtered": ledger.filtered}
+        await self.rt.require_nats().kv_put(self.rt.names.bucket("control"), Names.LEARNER_VERSION_KEY,
+                                            json.dumps(status).encode())
+
+    async def _announce_on_start(self) -> None:
+        assert self.learner is not None and self.publisher is not None
+        latest = await self.publisher.latest()
+        if latest is not None and latest.version == self.learner.version:
+            self.published_version = latest.version
+            return
+        if latest is not None and latest.version > self.learner.version:
+            log.warning("%s: KV announces weight version %d, newer than the checkpoint's %d (a lost life); "
+                        "republishing the checkpointed weights as version %d", self.name, latest.version,
+                        self.learner.version, latest.version + 1)
+            self.learner.version = latest.version + 1
+        await self._publish()
+
+    # -- loading -----------------------------------------------------------------------------------
+    def _load(self) -> tuple[Learner, PreTrainedTokenizerBase]:
+        self.store.remove_partial()
+        latest = self.store.latest()
+        max_staleness = self.rt.cfg.scheduler.max_staleness
+        if latest is not None:
+            ckpt = self.store.load(latest)
+            learner = self._make_learner(ckpt.model, ckpt.tokenizer, max_staleness)
+            learner.optimizer.load_state_dict(ckpt.optimizer)
+            learner.restore_progress(ckpt.progress)
+            self.resumed_from = latest
+            log.info("%s: resumed from %s (step %d, version %d)", self.name, latest, learner.step_count,
+                     learner.version)
+            return learner, ckpt.tokenizer
+        if self.model_dir is not None:
+            model, tokenizer = load_model_dir(self.model_dir)
+        else:
+            tokenizer = build_char_tokenizer()
+            model = build_tiny_model(tiny_config(len(tokenizer)), seed=self.cfg.seed)
+        return self._make_learner(model, tokenizer, max_staleness), tokenizer
+
+    def _make_learner(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_staleness: int) -> Learner:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return Learner(model, self.cfg, max_staleness=max_staleness, pad_id=pad)
+
+    def _reached_max_steps(self) -> bool:
+        return (self.cfg.max_steps is not None and self.learner is not None
+                and self.learner.step_count >= self.cfg.max_steps)
+
+    def statistics(self) -> dict[str, Any]:
+        stats = super().statistics()
+        if self.learner is not None:
+            stats.update(self.learner.statistics())
+        stats.update(published_version=self.published_version, metrics=dict(self.last_metrics),
+                     checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+                     resumed_from=str(self.resumed_from) if self.resumed_from else None)
+        if self.consumer is not None:
+            stats["consumer"] = self.consumer.statistics()
+        return stats
