@@ -24,7 +24,8 @@ have mvn || missing+=(maven)
 have bwrap || missing+=(bubblewrap)
 have dockerd || missing+=(docker.io)  # /usr/local/bin/docker may exist as a bare client: the engine is dockerd
 have ip || missing+=(iproute2)
-[[ -x /bin/busybox || -x /usr/bin/busybox ]] || missing+=(busybox-static)  # the docker sandbox image is built from it
+[[ -x /bin/busybox || -x /usr/bin/busybox ]] || missing+=(busybox-static)
+have chromium || missing+=(chromium)  # the dashboard test renders the page in headless Chromium  # the docker sandbox image is built from it
 if ! have python3.11; then
   missing+=(python3.11 python3.11-venv)
 elif ! python3.11 -c 'import ensurepip, venv' >/dev/null 2>&1; then

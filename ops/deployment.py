@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from engine.actor import Actor, RestartPolicy, Supervisor
 from engine.config import ROLES, EngineConfig
 
@@ -54,6 +56,8 @@ class Deployment:
             drain_timeout_s=sup.drain_timeout_s)
         self.rt: Any = None
         self.http: Any = None
+        self.heartbeater: Any = None
+        self.recorder: Any = None
         self.model_dir: Path | None = None
         self.inference_urls: list[str] = []
         self._stack = contextlib.AsyncExitStack()
@@ -125,14 +129,26 @@ class Deployment:
         for name, factory in self.extra_actors:
             add(name, factory)
 
+        from ops.dashboard import Recorder, dashboard_routes
+        from ops.heartbeat import Heartbeater, LagCollector
+
         tel = self.cfg.telemetry
+        self.heartbeater = Heartbeater(rt, self.supervisor, tel.heartbeat_s)
+        self.recorder = Recorder.from_supervisor(self.supervisor, lag=lambda: self.heartbeater.lag)
         self.http = await enter(HttpServer(tel.http_host, tel.http_port, self.supervisor,
-                                           control_token=tel.control_token))
+                                           control_token=tel.control_token,
+                                           extra_routes=lambda app: dashboard_routes(app, self.recorder)))
+        self.http.registry.register(LagCollector(self.heartbeater, self.supervisor))
         log.info("deployment %s: roles %s; http %s", self.cfg.namespace, self.roles, self.http.url)
 
     async def run(self) -> None:
         """Run every role until drained or done; raises SupervisorGaveUp if a role keeps crashing."""
-        await self.supervisor.run()
+        async with anyio.create_task_group() as tg:
+            if self.rt.nats is not None:
+                tg.start_soon(self.heartbeater.run)
+            tg.start_soon(self.recorder.run)
+            await self.supervisor.run()
+            tg.cancel_scope.cancel()
 
     def drain(self) -> None:
         self.supervisor.drain()

@@ -4,7 +4,7 @@
   503 otherwise.
 - ``GET /metrics``: Prometheus text. Every numeric field of every actor's ``statistics()`` becomes a
   gauge ``rollout_<field>{role=..., actor=...}`` read at scrape time (no counters kept twice), plus
-  the histograms registered by the roles themselves (``ops.metrics``).
+  collectors registered by the deployment (consumer lag from the heartbeats).
 - ``GET /status``: the same statistics as JSON.
 - ``POST /drain``: starts a graceful drain; needs ``Authorization: Bearer <control_token>`` (state-
   changing endpoints refuse to run without a configured token).

@@ -30,7 +30,6 @@ from streams.kafka import Consumer, Record
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(180),
-    pytest.mark.skipif(bwrap_path() is None or os.geteuid() != 0, reason="needs bubblewrap and root"),
 ]
 
 REPLY_PARTITION = 1
