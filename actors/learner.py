@@ -18,18 +18,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
+import torch
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanKind
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
-from actors.learner_core import Learner, Source, StepReport
+from actors.learner_core import Learner, Source, StepReport, Verdict
 from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
@@ -41,6 +47,16 @@ from streams.weights import WeightPublisher
 log = logging.getLogger("rollout.learner")
 
 StepHook = Callable[[StepReport], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Offered:
+    """A record folded into the next step, as its trace sees it."""
+
+    traceparent: str | None
+    sample_id: str
+    verdict: Verdict
+    at_ns: int
 
 
 class LearnerActor(Actor):
@@ -64,9 +80,12 @@ class LearnerActor(Actor):
         self.last_checkpoint: Path | None = None
         self.published_version: int | None = None
         self.last_metrics: dict[str, float] = {}
+        self._offered: list[_Offered] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
+        if self.rt.cfg.learner.torch_threads:
+            torch.set_num_threads(self.rt.cfg.learner.torch_threads)
         self.learner, self.tokenizer = await anyio.to_thread.run_sync(self._load)
         self.publisher = WeightPublisher(self.rt.require_nats(), self.rt.names, producer=self.name)
         self.consumer = await Consumer(
@@ -86,7 +105,8 @@ class LearnerActor(Actor):
                     break  # records past the last step stay unconsumed for the next life
                 exp = record.message
                 assert isinstance(exp, Experience)  # the consumer dead-letters every other schema
-                learner.offer(exp, (record.topic, record.partition), record.offset)
+                verdict = learner.offer(exp, (record.topic, record.partition), record.offset)
+                self._offered.append(_Offered(record.traceparent, exp.sample_id, verdict, time.time_ns()))
                 record.ack()
                 if learner.ready:
                     await self._step()
@@ -99,19 +119,54 @@ class LearnerActor(Actor):
 
     # -- one step and what follows it ---------------------------------------------------------------
     async def _step(self) -> None:
+        """One optimizer step, its publication/checkpoint/status, under a ``learner.step`` span.
+
+        The step consumes samples of many rollouts, so its span is the root of its own trace, linked to
+        each sample's context; each sample's trace gets a ``learner.consume`` child span in turn.
+        """
         assert self.learner is not None
-        report = await anyio.to_thread.run_sync(self.learner.step)
-        self.last_metrics = report.metrics
-        if report.publish:
-            await self._publish()
-        if report.step % self.cfg.checkpoint_every == 0:
-            await self._checkpoint()
-        await self._put_status()
+        offered, self._offered = self._offered, []
+        with tracing.tracer().start_as_current_span("learner.step", context=Context(), kind=SpanKind.INTERNAL) as span:
+            try:
+                report = await anyio.to_thread.run_sync(self.learner.step)
+            except BaseException:
+                self._offered = offered + self._offered  # still pending in the learner
+                raise
+            self.last_metrics = report.metrics
+            if report.publish:
+                await self._publish()
+            if report.step % self.cfg.checkpoint_every == 0:
+                await self._checkpoint()
+            await self._put_status()
+            if span.is_recording():
+                self._trace_step(span, report, offered)
         log.info("%s: step %d (judged at v%d): trained %d, stale %d, filtered %d, dup %d, loss %.4f",
                  self.name, report.step, report.version, len(report.trained), len(report.dropped_stale),
                  len(report.filtered), report.duplicates, report.metrics.get("loss", float("nan")))
         if self.on_step is not None:
             self.on_step(report)
+
+    def _trace_step(self, span: Span, report: StepReport, offered: list[_Offered]) -> None:
+        """Link the step to its samples' traces and end a ``learner.consume`` span in each of them."""
+        span.set_attributes({"rollout.role": self.role, "rollout.step": report.step,
+                             "rollout.judged_version": report.version, "rollout.trained": len(report.trained),
+                             "rollout.dropped_stale": len(report.dropped_stale),
+                             "rollout.filtered": len(report.filtered), "rollout.duplicates": report.duplicates,
+                             "rollout.published": report.publish, "rollout.consumed": len(offered),
+                             **{f"rollout.metrics.{k}": float(v) for k, v in report.metrics.items()}})
+        step_link = [Link(span.get_span_context())]
+        tracer = tracing.tracer()
+        for o in offered:
+            parent = tracing.span_context_of(o.traceparent)
+            if parent is None:
+                continue
+            span.add_link(parent, {"rollout.sample_id": o.sample_id, "rollout.verdict": o.verdict})
+            consume = tracer.start_span("learner.consume", context=tracing.context_of(o.traceparent),
+                                        kind=SpanKind.CONSUMER, links=step_link, start_time=o.at_ns)
+            consume.set_attributes({"rollout.role": self.role, "rollout.sample_id": o.sample_id,
+                                    "rollout.verdict": o.verdict, "rollout.step": report.step,
+                                    "rollout.judged_version": report.version})
+            consume.end()
 
     async def _publish(self) -> None:
         assert self.learner is not None and self.publisher is not None

@@ -167,6 +167,9 @@ class LearnerConfig(Section):
     """Stop after this many optimizer steps (None: run until stopped)."""
     seed: int = 0
     """Torch seed."""
+    torch_threads: int = Field(1, ge=0)
+    """Intra-op threads of the learner's torch (0: torch's default). On small hosts shared with the
+    inference server, one thread avoids oversubscription that makes every step several times slower."""
 
 
 class TelemetryConfig(Section):
