@@ -316,6 +316,17 @@ class Learner:
         return len(self._pending.train) >= self.cfg.batch_size
 
     @property
+    def never_trained(self) -> int:
+        """Distinct samples judged filtered or too stale so far, including those not yet folded into a step.
+
+        The scheduler's admission control subtracts them (they will never become accepted samples); it
+        must see pending ones too, or a learner waiting for a full batch behind filtered samples and a
+        scheduler waiting for the learner would wait on each other forever.
+        """
+        done, pending = self.ledger, self._pending.ledger
+        return done.filtered + done.dropped_stale + pending.filtered + pending.dropped_stale
+
+    @property
     def pending(self) -> int:
         """Records offered since the last step (not yet consumed)."""
         p = self._pending

@@ -35,7 +35,10 @@ from typing import Any, ClassVar, Protocol
 
 import anyio
 import anyio.lowlevel
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
+from actors import tracing
 from actors.domains import DOMAINS, Domain
 from actors.reward import REWARD_STATS_KEY
 from actors.runtime import Runtime
@@ -60,11 +63,13 @@ class LearnerStatus:
     consumed: int = 0
     filtered: int = 0
     dropped_stale: int = 0
+    never_trained: int = 0
+    """Filtered or too-stale samples the learner has judged, including those still waiting for a step."""
 
     @property
-    def never_trained(self) -> int:
-        """Samples the learner consumed without training on them (filtered or too stale)."""
-        return self.filtered + self.dropped_stale
+    def excluded(self) -> int:
+        """Samples that will never be trained: they leave the admitted set without being accepted."""
+        return max(self.never_trained, self.filtered + self.dropped_stale)
 
     @classmethod
     def from_json(cls, raw: bytes | None) -> "LearnerStatus":
@@ -87,7 +92,7 @@ class Admission:
         return (self.max_staleness + version + 1) * self.batch_size
 
     def can_admit(self, admitted: int, group_size: int, learner: LearnerStatus) -> bool:
-        return admitted - learner.never_trained + group_size <= self.capacity(learner.version)
+        return admitted - learner.excluded + group_size <= self.capacity(learner.version)
 
 
 # -- domain weights and curriculum -----------------------------------------------------------------
@@ -317,8 +322,7 @@ class SchedulerActor(Actor):
                 log.info("%s: every task source is exhausted", self.name)
                 break
             await self.rt.producer.wait_room()
-            fut, _ = self.rt.producer.send_nowait(self.names.tasks, task, key=task.task_id)
-            pending.append(fut)
+            pending.append(self._publish(task))
             self.admitted_samples += group_size
             self.tasks_admitted += 1
             if len(pending) >= self.publish_batch:
@@ -329,6 +333,19 @@ class SchedulerActor(Actor):
                 last_status = time.monotonic()
             await anyio.lowlevel.checkpoint()
         await self._settle(pending)
+
+    def _publish(self, task: Task) -> Any:
+        """Send ``task`` under a new trace (root span ``schedule``); returns the broker's acknowledgement future."""
+        with tracing.tracer().start_as_current_span("schedule", context=Context(), kind=SpanKind.PRODUCER) as span:
+            if span.is_recording():
+                span.set_attributes({"rollout.role": self.role, "rollout.task_id": task.task_id,
+                                     "rollout.domain": task.domain, "rollout.group_size": task.group_size,
+                                     "rollout.admitted_version": task.admitted_version,
+                                     "rollout.difficulty": task.difficulty,
+                                     "messaging.destination.name": self.names.tasks})
+            fut, _ = self.rt.producer.send_nowait(self.names.tasks, task, key=task.task_id,
+                                                  headers=tracing.trace_headers(span))
+        return fut
 
     @staticmethod
     async def _settle(pending: list[Any]) -> None:

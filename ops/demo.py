@@ -273,7 +273,14 @@ def _quiet_libraries() -> None:
     logging.getLogger("kafka").setLevel(logging.ERROR)  # "no partition metadata yet" while topics settle
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwind normally: servers and the pipeline stop by pid, nothing is left behind
+
+
 def main_sync(args: Any) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
     _quiet_libraries()
     plan = DemoPlan(seed=args.seed, steps=args.steps)
     if args.quick:

@@ -7,6 +7,8 @@ then SIGKILL after a grace period), never by name.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes
 import json
 import os
 import signal
@@ -18,6 +20,31 @@ from pathlib import Path
 import anyio
 
 from actors.inference.sglang_client import SGLangClient
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the daemon that started it dies, even by SIGKILL.
+
+    The server runs in its own session (a terminal's Ctrl-C must not reach it), so without this a
+    SIGKILLed inference daemon (OOM killer, a host agent) would leave an orphan server holding the model's
+    memory and CPU. Linux only; elsewhere a no-op.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the parent dies, even by SIGKILL (Linux prctl)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 class LocalServerError(RuntimeError):
@@ -46,7 +73,8 @@ class LocalServer:
         argv = [sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", "--model-dir", self.model_dir,
                 "--weight-version", self.weight_version, "--max-batch", str(self.max_batch),
                 "--chunk-size", str(self.chunk_size), "--torch-threads", str(self.torch_threads)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.close()
         assert self.proc.stdout is not None
         try:
