@@ -190,7 +190,11 @@ def plot(curves: dict[str, dict[int, float]], before: dict[str, DomainScore], af
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for domain, series in sorted(curves.items()):
         xs = sorted(series)
-        ax1.plot(xs, [series[x] for x in xs], marker="o", ms=3, label=domain)
+        ys = [series[x] for x in xs]
+        line, = ax1.plot(xs, ys, marker="o", ms=2, lw=0.6, alpha=0.35)
+        window = 5  # a few versions: each version holds only a batch's worth of a domain's samples
+        smooth = [sum(ys[max(0, i - window + 1):i + 1]) / len(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
+        ax1.plot(xs, smooth, color=line.get_color(), lw=2, label=f"{domain} (mean of {window})")
     ax1.set_xlabel("policy version (learner steps)")
     ax1.set_ylabel("mean correctness of training samples")
     ax1.set_title("reward per domain during RL")
