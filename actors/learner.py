@@ -14,6 +14,10 @@
   republishes its checkpointed weights as ``latest + 1``: versions never repeat or go backwards.
 - ``max_steps`` ends ``serve()``; so does a drain. Both write a final checkpoint; records read but not
   folded into a step stay unconsumed and are read again by the next life.
+- Audit log: ``<checkpoint_dir>/<namespace>/audit.jsonl`` gets one ``start`` line per life (the step it
+  resumed at) and, per step, one line per folded sample (``sample_id``, ``verdict``, ``step``,
+  ``version``), flushed before that step's publication and checkpoint. A life's lines past its last
+  checkpoint are superseded by the next life's ``start`` line (``ops/ledger.py`` rebuilds the lineage).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import tempfile
+import uuid
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +53,9 @@ from streams.weights import WeightPublisher
 log = logging.getLogger("rollout.learner")
 
 StepHook = Callable[[StepReport], None]
+
+AUDIT_LOG = "audit.jsonl"
+"""File, in the learner's checkpoint directory, of the per-step sample audit (see the module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,12 +90,18 @@ class LearnerActor(Actor):
         self.published_version: int | None = None
         self.last_metrics: dict[str, float] = {}
         self._offered: list[_Offered] = []
+        self._status_never_trained = 0
+        self.audit_path = self.store.root / AUDIT_LOG
+        self._life = uuid.uuid4().hex[:12]
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
         if self.rt.cfg.learner.torch_threads:
             torch.set_num_threads(self.rt.cfg.learner.torch_threads)
         self.learner, self.tokenizer = await anyio.to_thread.run_sync(self._load)
+        self._audit([{"event": "start", "life": self._life, "step": self.learner.step_count,
+                      "version": self.learner.version,
+                      "resumed_from": self.resumed_from.name if self.resumed_from else None}])
         self.publisher = WeightPublisher(self.rt.require_nats(), self.rt.names, producer=self.name)
         self.consumer = await Consumer(
             self.rt.cfg.kafka, assign_topics=[self.rt.names.experience], start_offsets=dict(self.learner.offsets),
@@ -110,6 +125,8 @@ class LearnerActor(Actor):
                 record.ack()
                 if learner.ready:
                     await self._step()
+            if learner.never_trained != self._status_never_trained:
+                await self._put_status()  # admission control counts pending filtered samples too
         await self._checkpoint()
 
     async def teardown(self) -> None:
@@ -133,6 +150,7 @@ class LearnerActor(Actor):
                 self._offered = offered + self._offered  # still pending in the learner
                 raise
             self.last_metrics = report.metrics
+            await anyio.to_thread.run_sync(self._audit_step, report)
             if report.publish:
                 await self._publish()
             if report.step % self.cfg.checkpoint_every == 0:
@@ -168,6 +186,23 @@ class LearnerActor(Actor):
                                     "rollout.judged_version": report.version})
             consume.end()
 
+    def _audit_step(self, report: StepReport) -> None:
+        rows = [{"life": self._life, "step": report.step, "version": report.version, "sample_id": sid,
+                 "verdict": verdict}
+                for verdict, ids in (("train", report.trained), ("dropped_stale", report.dropped_stale),
+                                     ("filtered", report.filtered)) for sid in ids]
+        rows.append({"event": "step", "life": self._life, "step": report.step, "version": report.version,
+                     "samples": len(rows), "duplicates": report.duplicates})
+        self._audit(rows)
+
+    def _audit(self, rows: list[dict[str, Any]]) -> None:
+        """Append ``rows`` to the audit log, durably (before the step's checkpoint can exist)."""
+        self.audit_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.audit_path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+
     async def _publish(self) -> None:
         assert self.learner is not None and self.publisher is not None
         learner = self.learner
@@ -187,7 +222,9 @@ class LearnerActor(Actor):
         assert self.learner is not None
         ledger = self.learner.ledger
         status = {"version": self.learner.version, "step": self.learner.step_count, "consumed": ledger.consumed,
-                  "trained": ledger.trained, "dropped_stale": ledger.dropped_stale, "filtered": ledger.filtered}
+                  "trained": ledger.trained, "dropped_stale": ledger.dropped_stale, "filtered": ledger.filtered,
+                  "never_trained": self.learner.never_trained}
+        self._status_never_trained = self.learner.never_trained
         await self.rt.require_nats().kv_put(self.rt.names.bucket("control"), Names.LEARNER_VERSION_KEY,
                                             json.dumps(status).encode())
 

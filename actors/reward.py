@@ -41,7 +41,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
+from opentelemetry.trace import SpanKind
 
+from actors import tracing
 from actors.domains import RewardBreakdown, score
 from actors.runtime import Runtime, StreamActor
 from engine.config import RewardConfig
@@ -255,6 +257,8 @@ class _Scored:
     """Everything but the advantage and the filter, filled in when the group is flushed."""
     reward: RewardBreakdown
     verifier_error: bool
+    trace_headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Headers that parent the experience's consumer under this sample's ``reward`` span."""
 
 
 class RewardActor(StreamActor):
@@ -288,21 +292,30 @@ class RewardActor(StreamActor):
             return
         outcome = record.message
         assert isinstance(outcome, Outcome)
-        completion = outcome.completion_msg()
-        scored = self._score(record, outcome, completion)
-        arrival = self.assembler.add(completion.task_id, completion.sample_id, completion.group_size, scored)
-        if arrival is Arrival.DUPLICATE:
-            self.duplicates += 1
-            return
-        self._observe(completion.domain, scored)
-        if arrival is Arrival.STRAGGLER:
-            self.stats[completion.domain].stragglers += 1
-            straggler = dataclasses.replace(scored.experience, advantage=0.0, filtered="straggler")
-            await self._send(record, straggler)
-        else:
-            self.defer_ack(record)
-            if arrival is Arrival.COMPLETE:
-                await self._flush(completion.task_id, timed_out=False)
+        with tracing.tracer().start_as_current_span("reward", context=tracing.record_context(record),
+                                                    kind=SpanKind.CONSUMER) as span:
+            completion = outcome.completion_msg()
+            scored = self._score(record, outcome, completion)
+            scored = dataclasses.replace(scored, trace_headers=tracing.trace_headers(span))
+            arrival = self.assembler.add(completion.task_id, completion.sample_id, completion.group_size, scored)
+            if span.is_recording():
+                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role,
+                                     "rollout.sample_id": completion.sample_id, "rollout.task_id": completion.task_id,
+                                     "rollout.domain": completion.domain, "rollout.reward": scored.reward.total,
+                                     "rollout.correctness": scored.reward.correctness,
+                                     "rollout.arrival": arrival.value, "rollout.verifier_error": scored.verifier_error})
+            if arrival is Arrival.DUPLICATE:
+                self.duplicates += 1
+                return
+            self._observe(completion.domain, scored)
+            if arrival is Arrival.STRAGGLER:
+                self.stats[completion.domain].stragglers += 1
+                straggler = dataclasses.replace(scored.experience, advantage=0.0, filtered="straggler")
+                await self._send(scored, straggler)
+            else:
+                self.defer_ack(record)
+                if arrival is Arrival.COMPLETE:
+                    await self._flush(completion.task_id, timed_out=False)
 
     def _score(self, record: Record, outcome: Outcome, completion: Completion) -> _Scored:
         domain = completion.domain
@@ -354,21 +367,21 @@ class RewardActor(StreamActor):
                 exp = dataclasses.replace(m.experience, advantage=0.0, filtered="zero_variance")
             else:
                 exp = dataclasses.replace(m.experience, advantage=by_sample[m.experience.sample_id])
-            futures.append(self._send_nowait(m.record, exp))
+            futures.append(self._send_nowait(m, exp))
         await asyncio.gather(*futures)
         for m in members:
             m.record.ack()
 
-    def _send_nowait(self, record: Record, experience: Experience) -> asyncio.Future:
-        headers = {"traceparent": record.traceparent} if record.traceparent else None
+    def _send_nowait(self, scored: _Scored, experience: Experience) -> asyncio.Future:
+        """Produce ``experience`` (from ``scored``) as a child of its sample's ``reward`` span."""
         fut, _ = self.rt.producer.send_nowait(self.rt.names.experience, experience, key=experience.task_id,
-                                              headers=headers,
+                                              headers=scored.trace_headers,
                                               message_id=experience_message_id(experience.sample_id))
         self.emitted += 1
         return fut
 
-    async def _send(self, record: Record, experience: Experience) -> None:
-        await self._send_nowait(record, experience)
+    async def _send(self, scored: _Scored, experience: Experience) -> None:
+        await self._send_nowait(scored, experience)
 
     # -- timers --------------------------------------------------------------------------------
     async def tick(self) -> None:

@@ -45,6 +45,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
+from opentelemetry.trace import SpanKind
+
+from actors import tracing
 from actors.runtime import Runtime, StreamActor
 from engine.actor import Actor
 from engine.config import SandboxConfig
@@ -303,15 +306,27 @@ class EpisodeActor(_SandboxActorBase):
         if req.reply_partition >= partitions:
             raise ValueError(f"reply_partition {req.reply_partition} >= {partitions} partitions of sandbox.results")
         key = (req.episode_id, req.step, req.action)
-        async with self._locks.hold(req.episode_id):
-            reply = self._replies.get(key)
-            if reply is not None:
-                self.replayed += 1
-            else:
-                reply = await self._answer(req)
-                if not reply.error or reply.error == EPISODE_UNKNOWN:
-                    self._remember(key, reply)
-        self.emit(record, self.rt.names.sandbox_results, reply, key=req.episode_id, partition=req.reply_partition)
+        with tracing.tracer().start_as_current_span("sandbox.step", context=tracing.record_context(record),
+                                                    kind=SpanKind.CONSUMER) as span:
+            async with self._locks.hold(req.episode_id):
+                reply = self._replies.get(key)
+                replayed = reply is not None
+                if reply is not None:
+                    self.replayed += 1
+                else:
+                    reply = await self._answer(req)
+                    if not reply.error or reply.error == EPISODE_UNKNOWN:
+                        self._remember(key, reply)
+            if span.is_recording():
+                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role,
+                                     "rollout.episode_id": req.episode_id, "rollout.step": req.step,
+                                     "rollout.action": req.action, "rollout.domain": req.domain,
+                                     "rollout.replayed": replayed, "rollout.error": reply.error,
+                                     "rollout.timed_out": reply.timed_out})
+                if reply.exit_code is not None:
+                    span.set_attribute("rollout.exit_code", reply.exit_code)
+            self.emit(record, self.rt.names.sandbox_results, reply, key=req.episode_id, partition=req.reply_partition,
+                      headers=tracing.trace_headers(span))
 
     def _remember(self, key: tuple[str, int, str], reply: SandboxResult) -> None:
         self._replies[key] = reply
@@ -426,12 +441,20 @@ class VerifyActor(_SandboxActorBase):
     async def handle(self, record: Record) -> None:
         completion = record.message
         assert isinstance(completion, Completion)
-        start = time.perf_counter()
-        kind, facts, error = await self.verify(completion)
-        self.verified[kind] += 1
-        outcome = Outcome(completion=completion.to_body(), facts=facts, verifier=kind,
-                          verify_s=time.perf_counter() - start, error=error)
-        self.emit(record, self.rt.names.outcomes, outcome, key=completion.task_id)
+        with tracing.tracer().start_as_current_span("verify", context=tracing.record_context(record),
+                                                    kind=SpanKind.CONSUMER) as span:
+            start = time.perf_counter()
+            kind, facts, error = await self.verify(completion)
+            self.verified[kind] += 1
+            outcome = Outcome(completion=completion.to_body(), facts=facts, verifier=kind,
+                              verify_s=time.perf_counter() - start, error=error)
+            if span.is_recording():
+                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role,
+                                     "rollout.sample_id": completion.sample_id, "rollout.task_id": completion.task_id,
+                                     "rollout.domain": completion.domain, "rollout.verifier": kind,
+                                     "rollout.error": error})
+            self.emit(record, self.rt.names.outcomes, outcome, key=completion.task_id,
+                      headers=tracing.trace_headers(span))
 
     async def verify(self, completion: Completion) -> tuple[str, Facts, str]:
         """(verifier kind, facts, error); never raises on bad model output or specs."""

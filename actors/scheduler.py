@@ -279,6 +279,7 @@ class SchedulerActor(Actor):
         self.tasks_admitted = 0
         self.blocked_waits = 0
         self.done = False
+        self._status_written: int | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -313,6 +314,12 @@ class SchedulerActor(Actor):
                 break
             if not self.admission.can_admit(self.admitted_samples, group_size, self.learner):
                 await self._settle(pending)
+                if self._status_written != self.tasks_admitted:
+                    # Persist the count before waiting: a scheduler killed while blocked would otherwise
+                    # restart from an older count and admit the same samples again (past max_tasks and
+                    # past the off-policy bound).
+                    await self.put_status()
+                    last_status = time.monotonic()
                 self.blocked_waits += 1
                 await self.wait_changed(timeout_s=0.5)
                 continue
@@ -423,7 +430,9 @@ class SchedulerActor(Actor):
     # -- status --------------------------------------------------------------------------------
     async def put_status(self) -> None:
         """Write the scheduler's counters to the control KV bucket."""
+        tasks = self.tasks_admitted
         await self.rt.require_nats().kv_put(self._bucket, SCHEDULER_STATUS_KEY, json.dumps(self.status()).encode())
+        self._status_written = tasks
 
     def status(self) -> dict[str, Any]:
         return {"admitted_samples": self.admitted_samples, "tasks_admitted": self.tasks_admitted,

@@ -68,4 +68,23 @@ try:
 except InfraError as exc:
     raise SystemExit(f"bootstrap: {exc}")
 PY
+
+# --- Jaeger v2 (Go module proxy -> go build -> ~/.cache/rollout-engine/jaeger-<version>/jaeger) -------
+# The tracing integration test exports to it. The first build takes minutes (~7 on 2 cores).
+if command -v go >/dev/null 2>&1 || [[ -x /usr/local/go/bin/go ]]; then
+  .venv/bin/python - <<'PY'
+from ops.infra import InfraConfig, InfraError
+from ops.infra.jaeger import JAEGER_RELEASE, ensure_jaeger, jaeger_binary
+
+cfg = InfraConfig.from_env()
+if not jaeger_binary(cfg).is_file():
+    print(f"bootstrap: building Jaeger {JAEGER_RELEASE} with go (minutes)", flush=True)
+try:
+    print(f"bootstrap: Jaeger {JAEGER_RELEASE} at {ensure_jaeger(cfg)}")
+except InfraError as exc:
+    raise SystemExit(f"bootstrap: {exc}\n{exc.log_tail}")
+PY
+else
+  log "go not found: skipping the Jaeger build (tests/integration/test_tracing.py needs it; install Go >= 1.24)"
+fi
 log "done"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,7 @@ class Deployment:
         from ops.http import HttpServer
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._setup_tracing()
         enter = self._stack.enter_async_context
         self.rt = rt = await enter(Runtime(self.cfg, instance=self.instance))
         add = self.supervisor.add
@@ -140,6 +143,17 @@ class Deployment:
                                            extra_routes=lambda app: dashboard_routes(app, self.recorder)))
         self.http.registry.register(LagCollector(self.heartbeater, self.supervisor))
         log.info("deployment %s: roles %s; http %s", self.cfg.namespace, self.roles, self.http.url)
+
+    def _setup_tracing(self) -> None:
+        """Install this process's span exporter (if ``telemetry.tracing``); flushed when the deployment closes."""
+        from ops.telemetry import setup_tracing
+
+        service = f"rollout-{self.roles[0]}" if len(self.roles) == 1 else "rollout"
+        instance = self.instance or f"{socket.gethostname()}-{os.getpid()}"
+        # registered first, so it runs last: spans ended while the roles shut down are exported too
+        self._stack.callback(setup_tracing(self.cfg.telemetry, service, resource_attributes={
+            "service.namespace": self.cfg.namespace, "service.instance.id": instance,
+            "rollout.roles": ",".join(self.roles)}))
 
     async def run(self) -> None:
         """Run every role until drained or done; raises SupervisorGaveUp if a role keeps crashing."""

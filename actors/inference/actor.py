@@ -26,7 +26,9 @@ from typing import Any
 
 import anyio
 import numpy as np
+from opentelemetry.trace import SpanKind
 
+from actors import tracing
 from actors.inference.sglang_client import GenerateResult, SGLangClient, SGLangError
 from actors.runtime import INFRA_ERRORS, Runtime, StreamActor
 from engine.schemas import Completion, SandboxRequest, SandboxResult, Task, TokenChunk
@@ -165,7 +167,8 @@ class InferenceActor(StreamActor):
         key = (req.episode_id, req.step)
         event = self._reply_events[key] = anyio.Event()
         try:
-            self.emit(record, self.rt.names.sandbox_requests, req, key=req.episode_id)
+            self.emit(record, self.rt.names.sandbox_requests, req, key=req.episode_id,
+                      headers=tracing.trace_headers())
             with anyio.move_on_after(self.rt.cfg.sandbox.timeout_s * 3 + 30):
                 await event.wait()
             reply = self._replies.pop(key, None)
@@ -184,15 +187,35 @@ class InferenceActor(StreamActor):
         prompt_ids = (task.prompt_ids.tolist() if task.prompt_ids is not None
                       else self.tokenizer.encode(task.prompt, add_special_tokens=False))
         completions: list[Completion | None] = [None] * task.group_size
+        headers: list[dict[str, str]] = [{} for _ in range(task.group_size)]
         async with anyio.create_task_group() as tg:
             for i in range(task.group_size):
-                tg.start_soon(self._run_sample, record, task, i, prompt_ids, completions)
-        for c in completions:
+                tg.start_soon(self._run_sample, record, task, i, prompt_ids, completions, headers)
+        for c, h in zip(completions, headers):
             assert c is not None
-            self.emit(record, self.rt.names.completions, c, key=task.task_id)
+            self.emit(record, self.rt.names.completions, c, key=task.task_id, headers=h)
 
     async def _run_sample(self, record: Record, task: Task, index: int, prompt_ids: list[int],
-                          out: list[Completion | None]) -> None:
+                          out: list[Completion | None], out_headers: list[dict[str, str]]) -> None:
+        """Generate sample ``index`` of the group under its ``generate`` span (the parent of its sandbox steps)."""
+        with tracing.tracer().start_as_current_span("generate", context=tracing.record_context(record),
+                                                    kind=SpanKind.CONSUMER) as span:
+            completion = await self._generate_sample(record, task, index, prompt_ids)
+            if span.is_recording():
+                versions = sorted({int(v) for v in completion.weight_versions.tolist() if v >= 0})
+                span.set_attributes({
+                    **tracing.record_attributes(record), "rollout.role": self.role,
+                    "rollout.task_id": task.task_id, "rollout.sample_id": completion.sample_id,
+                    "rollout.domain": task.domain, "rollout.group_index": index,
+                    "rollout.prompt_tokens": len(prompt_ids),
+                    "rollout.response_tokens": len(completion.response_ids),
+                    "rollout.model_tokens": int(completion.loss_mask.sum()),
+                    "rollout.weight_versions": versions, "rollout.weight_version": self.weight_version,
+                    "rollout.finish_reason": completion.finish_reason, "rollout.turns": completion.turns})
+            out_headers[index] = tracing.trace_headers(span)
+        out[index] = completion
+
+    async def _generate_sample(self, record: Record, task: Task, index: int, prompt_ids: list[int]) -> Completion:
         sample = _Sample(f"{task.task_id}/{index}")
         sampling = self._sampling(task)
         transcript: list[dict[str, Any]] = []
@@ -202,7 +225,7 @@ class InferenceActor(StreamActor):
         else:
             finish, episode_facts = await self._episode(record, task, sample, prompt_ids, sampling, transcript)
         model_ids = [t for t, m in zip(sample.ids, sample.mask) if m]
-        out[index] = Completion(
+        completion = Completion(
             sample_id=sample.sample_id, task_id=task.task_id, domain=task.domain, group_index=index,
             group_size=task.group_size, prompt_ids=np.asarray(prompt_ids, np.int32),
             response_ids=np.asarray(sample.ids, np.int32), logprobs=np.asarray(sample.logprobs, np.float32),
@@ -211,6 +234,7 @@ class InferenceActor(StreamActor):
             spec=task.spec, turns=max(1, len(transcript)), admitted_version=task.admitted_version,
             transcript=transcript, episode_facts=episode_facts)
         self.samples_done += 1
+        return completion
 
     def _sampling(self, task: Task) -> dict[str, Any]:
         cfg = self.rt.cfg.inference
@@ -246,7 +270,7 @@ class InferenceActor(StreamActor):
                     self.emit(record, self.rt.names.tokens, TokenChunk(
                         sample_id=sample.sample_id, task_id=task.task_id, seq=sample.chunks,
                         token_ids=np.asarray(new_ids, np.int32), logprobs=np.asarray(lps, np.float32),
-                        weight_version=vers[-1]), key=sample.sample_id)
+                        weight_version=vers[-1]), key=sample.sample_id, headers=tracing.trace_headers())
                     sample.chunks += 1
                     self.tokens_out += len(new_ids)
                     seen = len(chunk.output_ids)

@@ -38,15 +38,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the parent dies, even by SIGKILL (Linux prctl)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-PR_SET_PDEATHSIG = 1
-
-
 class LocalServerError(RuntimeError):
     """The local inference server did not start; the message carries the tail of its log."""
 

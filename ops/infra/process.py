@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -105,6 +106,14 @@ def spawn(argv: Sequence[str], *, pid_file: Path, log_file: Path, env: Mapping[s
         raise InfraError(f"could not start {argv[0]}: {exc.strerror}") from exc
     finally:
         os.close(log_fd)
+    # Right after the spawn, /proc/<pid>/cmdline may still show this process's argv (the exec is not
+    # visible yet); a record read then would look like a reused pid. Wait for the exec (bounded).
+    deadline = time.monotonic() + 5.0
+    while proc_argv(pid) != list(argv) and time.monotonic() < deadline:
+        stat = _proc_stat(pid)
+        if stat is None or stat[0] in ("Z", "X"):
+            break
+        time.sleep(0.001)
     stat = _proc_stat(pid)
     PidRecord(pid=pid, start_ticks=stat[1] if stat else -1, argv=list(argv)).write(pid_file)
     return pid
@@ -179,11 +188,24 @@ def ensure_port_free(port: int, flag: str, host: str = HOST) -> None:
         raise PortInUseError(port, flag)
 
 
+# Below Linux's ephemeral range (32768-60999): the kernel never hands these out to outgoing
+# connections, so a port picked here stays free until our server binds it, however long the wait
+# (port 0 would pick from the ephemeral range, where any client socket may take it meanwhile).
+_PRIVATE_PORTS = range(20000, 32000)
+
+
 def free_port(host: str = HOST) -> int:
-    """A port the kernel considers free right now (for tests and private servers)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port that is free now and that no outgoing connection will take (for tests and private servers)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(_PRIVATE_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise InfraError(f"no free port in {_PRIVATE_PORTS.start}-{_PRIVATE_PORTS.stop - 1} on {host}")
 
 
 def tcp_accepts(port: int, host: str = HOST, timeout_s: float = 0.5) -> bool:
