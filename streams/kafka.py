@@ -30,7 +30,8 @@ import anyio
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewPartitions, NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.net.compat import KafkaNetClient
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from engine.config import KafkaConfig
@@ -59,6 +60,37 @@ def client_security(cfg: KafkaConfig) -> dict[str, Any]:
     return out
 
 
+def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
+    """A StreamError naming the broker; a bootstrap that never completes also names the security settings,
+    because kafka-python retries a refused login (wrong password, untrusted certificate) until its timeout."""
+    hint = ""
+    if isinstance(exc, KafkaTimeoutError):
+        hint = (f" (unreachable, or it refused this client's security settings: kafka.security_protocol="
+                f"{cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, sasl_username={cfg.sasl_username}, "
+                f"ssl_cafile={cfg.ssl_cafile})")
+    return StreamError(f"{what} {cfg.bootstrap}: {type(exc).__name__}: {exc}{hint}")
+
+
+def _construct(factory: Callable[..., Any], **kwargs: Any) -> Any:
+    """``factory(**kwargs)`` (a kafka-python client class); if the constructor fails (e.g. the broker refused
+    the login), close the network client it made: kafka-python leaves it open, two sockets per attempt."""
+    made: list[KafkaNetClient] = []
+
+    def network_client(**kw: Any) -> KafkaNetClient:
+        made.append(KafkaNetClient(**kw))
+        return made[-1]
+
+    try:
+        return factory(**kwargs, kafka_client=network_client)
+    except BaseException:
+        for client in made:
+            try:
+                client.close()
+            except Exception as exc:  # closing is best effort; the constructor's error is the one to report
+                log.debug("closing a failed client: %s", exc)
+        raise
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RecordMetadata:
     topic: str
@@ -69,8 +101,8 @@ class RecordMetadata:
 # -- admin ------------------------------------------------------------------------------------------
 
 def _ensure_topics_sync(cfg: KafkaConfig, topics: dict[str, int]) -> None:
-    admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap, client_id="rollout-admin",
-                             request_timeout_ms=30000, **client_security(cfg))
+    admin = _construct(KafkaAdminClient, bootstrap_servers=cfg.bootstrap, client_id="rollout-admin",
+                       request_timeout_ms=30000, **client_security(cfg))
     try:
         existing = set(admin.list_topics())
         new = [NewTopic(name=t, num_partitions=n, replication_factor=cfg.replication_factor)
@@ -114,7 +146,7 @@ async def ensure_topics(cfg: KafkaConfig, topics: dict[str, int]) -> None:
     try:
         await anyio.to_thread.run_sync(_ensure_topics_sync, cfg, topics)
     except KafkaError as exc:
-        raise StreamError(f"could not create topics {sorted(topics)} on {cfg.bootstrap}: {exc}") from exc
+        raise _connect_error(f"could not create topics {sorted(topics)} on", cfg, exc) from exc
 
 
 # -- producer ---------------------------------------------------------------------------------------
@@ -160,9 +192,9 @@ class Producer:
         self._room.set()
         self._all_acked.set()
         try:
-            self._producer = await anyio.to_thread.run_sync(lambda: KafkaProducer(**self._kwargs))
+            self._producer = await anyio.to_thread.run_sync(lambda: _construct(KafkaProducer, **self._kwargs))
         except KafkaError as exc:
-            raise StreamError(f"cannot connect a producer to {self.cfg.bootstrap}: {exc}") from exc
+            raise _connect_error("cannot connect a producer to", self.cfg, exc) from exc
         self._thread = threading.Thread(target=self._sender, name=f"kafka-send-{self.producer_id}", daemon=True)
         self._thread.start()
         return self
@@ -400,8 +432,8 @@ class Consumer:
             max_poll_records=max_poll_records,
             fetch_max_bytes=max(52428800, cfg.max_record_bytes * 2),
             max_partition_fetch_bytes=max(1048576, cfg.max_record_bytes + 65536),
-            session_timeout_ms=10000,
-            heartbeat_interval_ms=3000,
+            session_timeout_ms=cfg.session_timeout_ms,
+            heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 10),
             max_poll_interval_ms=300000,
             **client_security(cfg),
         )
@@ -422,11 +454,11 @@ class Consumer:
         try:
             self._consumer = await anyio.to_thread.run_sync(self._make)
         except KafkaError as exc:
-            raise StreamError(f"cannot start a consumer on {self.cfg.bootstrap}: {exc}") from exc
+            raise _connect_error("cannot start a consumer on", self.cfg, exc) from exc
         return self
 
     def _make(self) -> KafkaConsumer:
-        c = KafkaConsumer(**self._kwargs)
+        c = _construct(KafkaConsumer, **self._kwargs)
         if self.topics is not None:
             c.subscribe(self.topics, listener=_Listener(self))
             return c
