@@ -1,4 +1,4 @@
-"""`rollout loadtest sandboxes ...` (and, from another issue, `rollout loadtest soak`)."""
+"""`rollout loadtest sandboxes ...` and `rollout loadtest soak ...`."""
 
 from __future__ import annotations
 
@@ -35,8 +35,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     sb.add_argument("--no-docker-baseline", action="store_true", help="skip the docker run baseline")
     sb.set_defaults(func=_sandboxes)
 
-    # ---- `rollout loadtest soak`: reserved for the soak issue (leaked_processes, leaked_fds,
-    # ---- rss_growth_fraction). Add its sub-parser here.
+    soak = sub.add_parser("soak", help="sandbox sessions through the sandbox role with Kafka in the loop; leak checks")
+    soak.add_argument("--duration", type=float, default=1800.0, help="seconds of measured soak after the warm-up")
+    soak.add_argument("--sessions", type=int, default=1000, help="concurrent sandbox sessions")
+    soak.add_argument("--quick", action="store_true", help="a smoke run (60 s, at most 100 sessions)")
+    soak.add_argument("--json", type=Path, default=None, help="write the figures as one flat JSON object")
+    soak.set_defaults(func=_soak)
 
 
 def _sandboxes(args: argparse.Namespace) -> int:
@@ -57,3 +61,13 @@ def _sandboxes(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
     return 1 if figures["failures"] else 0
+
+
+def _soak(args: argparse.Namespace) -> int:
+    body = _load("soak")
+    figures = body.run(args.duration, args.sessions, args.quick)
+    print(body.table(figures))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    leaked = figures["leaked_processes"] + figures["leaked_mounts"] + figures["leaked_cgroups"]
+    return 1 if leaked or abs(figures.get("leaked_fds", 0)) > 8 or figures.get("rss_growth_fraction", 0) > 0.05 else 0

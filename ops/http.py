@@ -131,8 +131,10 @@ class HttpServer:
         if not self.control_token:
             return web.json_response({"error": "control endpoints are disabled: set telemetry.control_token"},
                                      status=403)
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given, self.control_token):
+        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+        # compare bytes: compare_digest raises TypeError (a 500) on non-ASCII str input
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                                 self.control_token.encode()):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         self.supervisor.drain()
         return web.json_response({"draining": True})

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
@@ -54,17 +53,30 @@ class Nats:
         self._kvs: dict[str, KeyValue] = {}
 
     async def connect(self) -> "Nats":
-        async def _err(exc: Exception) -> None:  # nats-py logs reconnect errors through this callback
-            pass
+        last_error: list[Exception] = []
 
+        async def _err(exc: Exception) -> None:  # nats-py reports (re)connect errors through this callback
+            # the server's own word ("Authorization Violation") outranks the socket reset that follows it
+            if not last_error or isinstance(last_error[0], OSError) or not isinstance(exc, OSError):
+                last_error[:] = [exc]
+
+        nc = Client()
         try:
             with anyio.fail_after(self.cfg.timeout_s):
                 # The first connect must not retry forever: fail fast with a clear error.
-                self.nc = await nats.connect(**connect_options(self.cfg), error_cb=_err)
-        except TimeoutError:
-            raise NatsError(f"could not connect to NATS at {self.cfg.url} within {self.cfg.timeout_s}s") from None
-        except Exception as exc:  # nats-py raises many unrelated types on connect
-            raise NatsError(f"could not connect to NATS at {self.cfg.url}: {type(exc).__name__}: {exc}") from exc
+                await nc.connect(**connect_options(self.cfg), error_cb=_err)
+        except BaseException as exc:
+            # a connect given up on leaves nats-py's socket and tasks behind unless closed
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await nc.close()
+            if isinstance(exc, TimeoutError):
+                # nats-py retries a refused login ("Authorization Violation") until the timeout: say why.
+                why = f": last error: {type(last_error[0]).__name__}: {last_error[0]}" if last_error else ""
+                raise NatsError(f"could not connect to NATS at {self.cfg.url} within {self.cfg.timeout_s}s{why}") from None
+            if isinstance(exc, Exception):  # nats-py raises many unrelated types on connect
+                raise NatsError(f"could not connect to NATS at {self.cfg.url}: {type(exc).__name__}: {exc}") from exc
+            raise
+        self.nc = nc
         self.js = self.nc.jetstream(timeout=self.cfg.timeout_s)
         return self
 

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from ops.infra.config import HOST, LOG4J2_CONFIG, POM_PATH, InfraConfig
@@ -25,8 +26,8 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 JAVA_MIN_MAJOR = 17
 
 
-def render_server_properties(config: InfraConfig, data_dir: Path) -> str:
-    """The broker's server.properties."""
+def render_server_properties(config: InfraConfig, data_dir: Path, extra: Mapping[str, str] | None = None) -> str:
+    """The broker's server.properties; ``extra`` adds or replaces properties (e.g. SASL/TLS listeners)."""
     props = {
         "process.roles": "broker,controller",
         "node.id": "1",
@@ -53,6 +54,7 @@ def render_server_properties(config: InfraConfig, data_dir: Path) -> str:
         "message.max.bytes": str(MAX_MESSAGE_BYTES),
         "replica.fetch.max.bytes": str(MAX_MESSAGE_BYTES),
     }
+    props.update(extra or {})
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
 
@@ -135,6 +137,10 @@ class KafkaBroker(Service):
     def ports(self) -> list[tuple[int, str]]:
         return [(self.config.kafka_port, "--kafka-port"), (self.config.kafka_controller_port, "--kafka-controller-port")]
 
+    def extra_properties(self) -> dict[str, str]:
+        """Properties added to (or replacing) the rendered server.properties; subclasses set listeners here."""
+        return {}
+
     def _java_cmd(self, heap: list[str]) -> list[str]:
         return [
             find_java(), *heap, "-XX:+UseG1GC", "-Djava.awt.headless=true",
@@ -152,7 +158,8 @@ class KafkaBroker(Service):
         self.logs_dir.mkdir(exist_ok=True)
         # Rewritten on every start: ports may differ from the last run. Static voters keep the formatted
         # storage valid across port changes.
-        self.properties_file.write_text(render_server_properties(self.config, self.data_dir))
+        props = render_server_properties(self.config, self.data_dir, self.extra_properties())
+        self.properties_file.write_text(props)
         if not (self.data_dir / "meta.properties").is_file():
             self._format_storage()
 

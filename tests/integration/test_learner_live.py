@@ -227,7 +227,8 @@ async def test_a_crash_after_a_checkpoint_neither_loses_nor_retrains_a_sample(
     ends = {(rt.names.experience, p): len(one[p]) + len(two[p]) for p in range(PARTITIONS)}
     assert actor.learner.offsets == ends
     # life one announced v1..v3 but its checkpoint holds v2: the resumed learner moved past v3
-    assert status == {"version": 9, "step": 7, "consumed": 34, "trained": 28, "dropped_stale": 0, "filtered": 6}
+    assert status == {"version": 9, "step": 7, "consumed": 34, "trained": 28, "dropped_stale": 0, "filtered": 6,
+                      "never_trained": 6}
 
 
 # -- (c) weights and status --------------------------------------------------------------------------
@@ -274,7 +275,7 @@ async def test_weights_are_published_with_matching_digests_and_the_status_key_is
     assert all(torch.equal(fetched[k], trained[k]) for k in fetched)
     assert any(not torch.equal(fetched[k], initial[k]) for k in fetched)
     assert json.loads(raw_status) == {"version": 1, "step": 2, "consumed": 9, "trained": 8, "dropped_stale": 0,
-                                      "filtered": 1}
+                                      "filtered": 1, "never_trained": 1}
 
 
 # -- drain -------------------------------------------------------------------------------------------

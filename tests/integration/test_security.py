@@ -1,0 +1,249 @@
+"""Security of the daemons against real services that require it.
+
+- Kafka: a broker whose client listeners require SASL/PLAIN (SASL_PLAINTEXT, and SASL_SSL with a
+  throw-away CA), started by ``ops.infra.secure``. The engine's admin, producer and consumer work with
+  the right credentials; no credentials, a wrong password, or TLS without the CA are refused with a
+  ``StreamError`` naming the broker.
+- NATS: nats-server requiring a user/password, and one requiring a token. ``Nats`` works with them and
+  is refused with a ``NatsError`` (naming the authorization violation) without.
+- HTTP: a real Deployment binds loopback by default; ``POST /drain`` is 403 without a configured token,
+  401 with a missing or wrong one, 200 with the right one (and the deployment then drains).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import anyio
+import pytest
+
+from actors.runtime import Runtime
+from engine.config import EngineConfig, KafkaConfig, NatsConfig, TelemetryConfig
+from engine.schemas import DeadLetter
+from ops.deployment import Deployment
+from ops.infra import InfraConfig, InfraError, free_port
+from ops.infra.secure import SecureKafkaBroker, SecureNatsServer, make_test_ca
+from streams.kafka import Consumer, Producer, StreamError, ensure_topics
+from streams.nats import Nats, NatsError
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+USER, PASSWORD = "alice", "alice-secret"
+FAST_FAIL = {"bootstrap_timeout_ms": 4000}
+"""A refused client retries until its bootstrap timeout (30 s by default): keep the negative cases short."""
+
+
+@pytest.fixture(scope="module")
+def secure_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureKafkaBroker]:
+    state = tmp_path_factory.mktemp("secure-infra")
+    config = InfraConfig.from_env(state_dir=state, kafka_port=free_port(), kafka_controller_port=free_port(),
+                                  kafka_heap="-Xmx384m -Xms128m")
+    broker = SecureKafkaBroker(config, users={USER: PASSWORD}, ssl_port=free_port(), ca=make_test_ca(state / "ca"))
+    try:
+        try:
+            broker.start()
+            broker.wait_ready(120)
+        except InfraError as exc:
+            pytest.fail(f"could not start the SASL broker: {exc}\n{exc.log_tail}", pytrace=False)
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="module", params=["password", "token"])
+def secure_nats(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNatsServer]:
+    config = InfraConfig.from_env(state_dir=tmp_path_factory.mktemp("secure-nats"), nats_port=free_port())
+    server = SecureNatsServer(config, auth=request.param)
+    try:
+        server.start()
+        server.wait_ready(30)
+        yield server
+    finally:
+        server.stop()
+
+
+def sasl(bootstrap: str, password: str = PASSWORD, **kw: object) -> KafkaConfig:
+    return KafkaConfig(bootstrap=bootstrap, security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
+                       sasl_username=USER, sasl_password=password, default_partitions=1, **kw)
+
+
+def nats_credentials(server: SecureNatsServer, **kw: object) -> NatsConfig:
+    if server.auth == "password":
+        return NatsConfig(url=server.url, user=server.user, password=server.password, **kw)
+    return NatsConfig(url=server.url, token=server.token, **kw)
+
+
+def letter(i: int) -> DeadLetter:
+    return DeadLetter(topic="t", partition=0, offset=i, reason="probe", error="", value=b"x" * i)
+
+
+async def roundtrip(cfg: KafkaConfig, topic: str, n: int = 5) -> list[int]:
+    """Create ``topic``, produce ``n`` records, read them back in a consumer group; their offsets."""
+    await ensure_topics(cfg, {topic: 1})
+    async with Producer(cfg, producer_id="security-test") as producer:
+        for i in range(n):
+            await producer.send(topic, letter(i), key=str(i))
+    got: list[int] = []
+    async with Consumer(cfg, topics=[topic], group=f"{topic}-g", expect=("dead_letter",)) as consumer:
+        with anyio.fail_after(60):
+            while len(got) < n:
+                for record in await consumer.getmany(timeout_s=0.5):
+                    got.append(record.message.offset)  # type: ignore[attr-defined]
+                    record.ack()
+        await consumer.commit()
+    return sorted(got)
+
+
+# -- Kafka ------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+async def test_kafka_sasl_plaintext_and_sasl_ssl_work_with_credentials(secure_kafka: SecureKafkaBroker,
+                                                                       unique_name: str) -> None:
+    assert await roundtrip(sasl(secure_kafka.bootstrap_servers), f"{unique_name}-plain") == list(range(5))
+    assert secure_kafka.ca is not None
+    tls = KafkaConfig(bootstrap=secure_kafka.ssl_bootstrap, security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
+                      sasl_username=USER, sasl_password=PASSWORD, ssl_cafile=str(secure_kafka.ca.ca_cert))
+    assert await roundtrip(tls, f"{unique_name}-tls") == list(range(5))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["no-credentials", "wrong-password"])
+async def test_kafka_refuses_clients_without_valid_credentials(secure_kafka: SecureKafkaBroker, case: str) -> None:
+    if case == "no-credentials":
+        cfg = KafkaConfig(bootstrap=secure_kafka.bootstrap_servers)
+    else:
+        cfg = sasl(secure_kafka.bootstrap_servers, password="not-the-password")
+    with pytest.raises(StreamError, match=rf"cannot connect a producer to {cfg.bootstrap}.*security_protocol"):
+        await Producer(cfg, producer_id="intruder", **FAST_FAIL).start()
+    with pytest.raises(StreamError, match=rf"cannot start a consumer on {cfg.bootstrap}"):
+        await Consumer(cfg, assign_topics=["anything"], **FAST_FAIL).start()
+
+
+REFUSED_TLS = """
+import asyncio, sys
+from engine.config import KafkaConfig
+from streams.kafka import Producer, StreamError
+cfg = KafkaConfig(bootstrap=sys.argv[1], security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
+                  sasl_username=sys.argv[2], sasl_password=sys.argv[3])
+try:
+    asyncio.run(Producer(cfg, producer_id="intruder", bootstrap_timeout_ms=4000).start())
+except StreamError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_kafka_tls_refused_without_the_ca(secure_kafka: SecureKafkaBroker) -> None:
+    """The right password, but a broker certificate the client cannot verify. Run in a child process:
+    kafka-python drops the sockets of failed TLS handshakes unclosed (the GC closes them later with a
+    ResourceWarning that would land in whichever test runs then)."""
+    out = subprocess.run([sys.executable, "-c", REFUSED_TLS, secure_kafka.ssl_bootstrap, USER, PASSWORD],
+                         capture_output=True, text=True, timeout=90)
+    assert f"refused: cannot connect a producer to {secure_kafka.ssl_bootstrap}" in out.stdout, out.stderr[-2000:]
+    assert "security_protocol=SASL_SSL" in out.stdout
+
+
+# -- NATS -------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+async def test_nats_requires_credentials(secure_nats: SecureNatsServer, unique_name: str) -> None:
+    async with Nats(nats_credentials(secure_nats)) as nats:
+        await nats.kv_put(unique_name, "k", b"v")
+        assert await nats.kv_get(unique_name, "k") == b"v"
+        info = await nats.put_bytes(f"{unique_name}-obj", "blob", b"\x00" * 1000)
+        assert info["size"] == 1000
+    wrong = (NatsConfig(url=secure_nats.url, user=secure_nats.user, password="wrong", timeout_s=3)
+             if secure_nats.auth == "password" else NatsConfig(url=secure_nats.url, token="wrong", timeout_s=3))
+    for cfg in (NatsConfig(url=secure_nats.url, timeout_s=3), wrong):
+        with pytest.raises(NatsError, match=rf"{secure_nats.url}.*Authorization Violation"):
+            await Nats(cfg).connect()
+
+
+@pytest.mark.timeout(240)
+async def test_runtime_on_secured_kafka_and_nats(secure_kafka: SecureKafkaBroker, tmp_path_factory: pytest.TempPathFactory,
+                                                 unique_name: str) -> None:
+    """The engine's whole runtime (topic admin, producer, consumer group, NATS) on credentials from config."""
+    config = InfraConfig.from_env(state_dir=tmp_path_factory.mktemp("rt-nats"), nats_port=free_port())
+    server = SecureNatsServer(config, auth="password")
+    server.start()
+    try:
+        server.wait_ready(30)
+        cfg = EngineConfig(namespace=unique_name, kafka=sasl(secure_kafka.bootstrap_servers),
+                           nats=nats_credentials(server))
+        async with Runtime(cfg) as rt:
+            await rt.producer.send(rt.names.dlq, letter(3), key="k")
+            consumer = rt.consumer("probe", ["dlq"], expect=("dead_letter",))
+            async with consumer:
+                with anyio.fail_after(60):
+                    records = []
+                    while not records:
+                        records = await consumer.getmany(timeout_s=0.5)
+                assert records[0].message.offset == 3  # type: ignore[attr-defined]
+            assert rt.nats is not None
+            await rt.nats.kv_put(f"{unique_name}-control", "hello", b"world")
+    finally:
+        server.stop()
+
+
+# -- HTTP -------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+async def test_http_binds_loopback_and_drain_needs_the_token(kafka_bootstrap: str, nats_url: str,
+                                                             unique_name: str, tmp_path: Path) -> None:
+    base = dict(kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1), nats=NatsConfig(url=nats_url))
+    assert TelemetryConfig().http_host == "127.0.0.1"
+
+    # no token configured: the control surface is off
+    cfg = EngineConfig(namespace=f"{unique_name}-a", **base)
+    async with Deployment(cfg, roles=["reward"], run_dir=tmp_path / "a") as d, aiohttp.ClientSession() as http:
+        assert d.http.url.startswith("http://127.0.0.1:")
+        port = int(d.http.url.rsplit(":", 1)[1])
+        assert not _accepts(_non_loopback_address(), port), "the HTTP server must not listen beyond loopback"
+        async with http.post(f"{d.http.url}/drain", headers={"Authorization": "Bearer anything"}) as r:
+            assert r.status == 403 and "control_token" in (await r.json())["error"]
+
+    token = uuid.uuid4().hex
+    cfg = EngineConfig(namespace=f"{unique_name}-b", telemetry=TelemetryConfig(control_token=token), **base)
+    async with Deployment(cfg, roles=["reward"], run_dir=tmp_path / "b") as d, aiohttp.ClientSession() as http:
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(d.run)  # returns once the drain finished
+                while not d.supervisor.alive().get("reward"):
+                    await anyio.sleep(0.05)
+                reward = d.supervisor.actors["reward"]
+                url = f"{d.http.url}/drain"
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token},
+                                {"Authorization": f"Bearer {token}x"}, {"Authorization": "Bearer t\u00f6ken"}):
+                    async with http.post(url, headers=headers) as r:
+                        assert r.status == 401, headers
+                assert not reward.draining
+                async with http.get(url) as r:
+                    assert r.status == 405  # state changes only by POST
+                async with http.post(url, headers={"Authorization": f"Bearer {token}"}) as r:
+                    assert r.status == 200 and (await r.json()) == {"draining": True}
+        assert reward.draining and not any(d.supervisor.alive().values())
+        assert d.supervisor.restarts("reward") == 0
+
+
+def _non_loopback_address() -> str:
+    """An address of this host that is not loopback (the route to a public address), else ''."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent, the kernel only picks a source address
+            return s.getsockname()[0]
+        except OSError:
+            return ""
+
+
+def _accepts(host: str, port: int) -> bool:
+    if not host or host.startswith("127."):
+        return False
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
