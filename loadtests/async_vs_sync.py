@@ -1,0 +1,163 @@
+"""Asynchronous pipeline vs a synchronous generate-then-score-then-train loop, same workload, same run.
+
+Both runs use the same warm-started model, tasks, batch size and code paths (the whole Deployment:
+scheduler, inference, sandboxes, reward, learner, weights over NATS); only the off-policy window
+differs:
+
+- sync: ``max_staleness = 0``: the scheduler admits one batch, then waits until the learner has
+  trained on it and published the next version; generation, verification and training never overlap.
+- async: ``max_staleness = S`` (default 2): generation of later batches overlaps training of earlier
+  ones, and samples up to S versions old are trained with the importance-sampling correction.
+
+Headline: ``speedup`` = time the sync run needs to reach the reward the async run reaches, over the
+async run's time (falls back to the time for the same number of learner steps when the sync run
+never reaches it: ``speedup_steps``).
+
+    python loadtests/async_vs_sync.py [--quick] [--json out.json] [--steps N] [--staleness S]
+
+With no --bootstrap / --nats (or ROLLOUT_KAFKA_BOOTSTRAP / ROLLOUT_NATS_URL) it starts a private
+broker and nats-server and stops them at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.domains import score  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.schemas import Experience  # noqa: E402
+from ops.demo import DemoPlan, _quiet_libraries, default_config, warm_start  # noqa: E402
+from streams.kafka import Consumer  # noqa: E402
+
+
+@dataclasses.dataclass
+class RunResult:
+    mode: str
+    seconds: float
+    steps: int
+    samples: int
+    # (seconds since start, running mean correctness of the last `window` samples)
+    curve: list[tuple[float, float]]
+
+    def time_to(self, reward: float) -> float | None:
+        return next((t for t, r in self.curve if r >= reward), None)
+
+    def final_reward(self) -> float:
+        return self.curve[-1][1] if self.curve else 0.0
+
+
+async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, window: int) -> RunResult:
+    from ops.deployment import Deployment
+
+    recent: list[float] = []
+    curve: list[tuple[float, float]] = []
+    samples = 0
+    async with Deployment(cfg, run_dir=run_dir) as d:
+        watch = Consumer(cfg.kafka, topics=[d.rt.names.experience], group=f"{cfg.namespace}.bench",
+                         expect=("experience",))
+        async with watch, anyio.create_task_group() as tg:
+            started = time.monotonic()
+            tg.start_soon(d.run)
+            step = 0
+            while step < steps and d.supervisor.alive().get("learner", True):
+                for r in await watch.getmany(timeout_s=0.2):
+                    exp = r.message
+                    assert isinstance(exp, Experience)
+                    recent.append(score(exp.domain, exp.facts, "").correctness if exp.facts else exp.reward)
+                    del recent[:-window]
+                    samples += 1
+                    curve.append((time.monotonic() - started, sum(recent) / len(recent)))
+                    r.ack()
+                learner = d.supervisor.actors.get("learner")
+                step = int(learner.statistics().get("step", 0)) if learner is not None else 0
+            seconds = time.monotonic() - started
+            print(f"  {mode}: {step} steps in {seconds:.1f}s, {samples} samples", flush=True)
+            d.drain()
+    return RunResult(mode, seconds, step, samples, curve)
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    from loadtests._infra import private_stack
+
+    _quiet_libraries()
+    plan = DemoPlan(seed=args.seed, steps=args.steps or (4 if args.quick else 12))
+    if args.quick:
+        plan = dataclasses.replace(plan, sft_examples=600, sft_steps=60)
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="rollout-avs-") as tmp, \
+            (private_stack() if not (args.bootstrap and args.nats) else _given(args)) as (bootstrap, nats_url):
+        root = Path(tmp)
+        model_dir = root / "model"
+        print(f"warm start ({plan.sft_steps} steps)", flush=True)
+        await anyio.to_thread.run_sync(warm_start, model_dir, plan)
+        results = {}
+        for mode, staleness in (("sync", 0), ("async", args.staleness)):
+            run_dir = root / mode
+            cfg = default_config(f"avs-{mode}-{int(time.time())}", bootstrap, nats_url, run_dir, plan)
+            cfg = cfg.model_copy(update={
+                "scheduler": cfg.scheduler.model_copy(update={"max_staleness": staleness}),
+                "inference": cfg.inference.model_copy(update={"model_dir": str(model_dir)}),
+                "learner": cfg.learner.model_copy(update={"max_steps": plan.steps}),
+            })
+            results[mode] = await one_run(cfg, run_dir, plan.steps, mode, args.window)
+    sync, asyn = results["sync"], results["async"]
+    target = min(asyn.final_reward(), max((r for _, r in sync.curve), default=0.0))
+    t_sync, t_async = sync.time_to(target), asyn.time_to(target)
+    out.update({
+        "steps": plan.steps, "staleness": args.staleness,
+        "sync_seconds": round(sync.seconds, 2), "async_seconds": round(asyn.seconds, 2),
+        "sync_final_reward": round(sync.final_reward(), 3), "async_final_reward": round(asyn.final_reward(), 3),
+        "reward_target": round(target, 3),
+        "sync_time_to_target": None if t_sync is None else round(t_sync, 2),
+        "async_time_to_target": None if t_async is None else round(t_async, 2),
+        "speedup_steps": round(sync.seconds / asyn.seconds, 3),
+    })
+    out["speedup"] = round(t_sync / t_async, 3) if t_sync and t_async else out["speedup_steps"]
+    print(f"\n{'run':<8}{'seconds':>9}{'steps':>7}{'samples':>9}{'final reward':>14}{'t(target)':>11}")
+    for r, t in ((sync, t_sync), (asyn, t_async)):
+        print(f"{r.mode:<8}{r.seconds:>9.1f}{r.steps:>7}{r.samples:>9}{r.final_reward():>14.3f}"
+              f"{'' if t is None else f'{t:.1f}':>11}")
+    print(f"\nspeedup (time to reward {target:.3f}): {out['speedup']}x; same steps: {out['speedup_steps']}x")
+    return out
+
+
+class _given:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.pair = (args.bootstrap, args.nats)
+
+    def __enter__(self) -> tuple[str, str]:
+        return self.pair
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smoke run (small warm start, 4 steps)")
+    p.add_argument("--json", help="write the figures as one flat JSON object")
+    p.add_argument("--steps", type=int, help="learner steps per run (default 12; 4 with --quick)")
+    p.add_argument("--staleness", type=int, default=2, help="max_staleness of the async run (default 2)")
+    p.add_argument("--window", type=int, default=64, help="samples in the running reward mean (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bootstrap", default=os.environ.get("ROLLOUT_KAFKA_BOOTSTRAP"))
+    p.add_argument("--nats", default=os.environ.get("ROLLOUT_NATS_URL"))
+    args = p.parse_args()
+    out = anyio.run(main_async, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
