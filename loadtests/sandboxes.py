@@ -103,6 +103,45 @@ async def run(
     return figures
 
 
+def _mem_available_mb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+async def open_many(backend: str, count: int) -> dict[str, Any]:
+    """Open ``count`` sandboxes at once (idle sessions: each has run one command), measure the memory
+    they take from the host (MemAvailable before vs while all are open), then close them all."""
+    from sandboxes import create_sandbox
+
+    limits = Limits(memory_mb=64, pids=16, timeout_s=10)
+    before = _mem_available_mb()
+    started = time.perf_counter()
+    opened: list[Any] = []
+    sem = asyncio.Semaphore(16)  # opening is CPU-bound on 2 cores: a bounded fan-out is as fast
+
+    async def one() -> None:
+        async with sem:
+            sb = await create_sandbox(backend, limits)
+            opened.append(sb)
+            result = await sb.exec(COMMAND, timeout=10)
+            if result.exit_code != 0:
+                raise RuntimeError(f"`true` in an open sandbox exited {result.exit_code}")
+
+    try:
+        await asyncio.gather(*(one() for _ in range(count)))
+        open_s = time.perf_counter() - started
+        used_mb = before - _mem_available_mb()
+    finally:
+        closing = time.perf_counter()
+        await asyncio.gather(*(sb.close() for sb in opened), return_exceptions=True)
+    return {"open_sandboxes": len(opened), "open_seconds": round(open_s, 2),
+            "open_memory_mb": round(used_mb, 1), "open_memory_mb_each": round(used_mb / max(1, len(opened)), 2),
+            "close_seconds": round(time.perf_counter() - closing, 2)}
+
+
 def table(figures: dict[str, Any]) -> str:
     lines = [f"{'figure':<28}{'value':>14}", "-" * 42]
     for key, value in figures.items():

@@ -33,6 +33,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     sb.add_argument("--quick", action="store_true", help="a smoke run (5 s, 5 docker runs)")
     sb.add_argument("--json", type=Path, default=None, help="write the figures as one flat JSON object")
     sb.add_argument("--no-docker-baseline", action="store_true", help="skip the docker run baseline")
+    sb.add_argument("--open", type=int, default=None, metavar="N",
+                    help="also open N sandboxes at once and report the memory they take (default 1000; 100 with --quick; 0: skip)")
     sb.set_defaults(func=_sandboxes)
 
     soak = sub.add_parser("soak", help="sandbox sessions through the sandbox role with Kafka in the loop; leak checks")
@@ -57,6 +59,9 @@ def _sandboxes(args: argparse.Namespace) -> int:
             )
             return 2
     figures = asyncio.run(body.run(args.backend, args.concurrency, args.duration, args.quick, baseline))
+    count = args.open if args.open is not None else (100 if args.quick else 1000)
+    if count:
+        figures.update(asyncio.run(body.open_many(args.backend, count)))
     print(body.table(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
