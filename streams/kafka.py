@@ -435,6 +435,9 @@ class Consumer:
             session_timeout_ms=cfg.session_timeout_ms,
             heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 10),
             max_poll_interval_ms=300000,
+            # The group leader assigns from its metadata; a topic (or partitions) it has not seen yet
+            # would get no owner until the next refresh, 5 minutes by default.
+            metadata_max_age_ms=10000,
             **client_security(cfg),
         )
         self._kwargs.update(overrides)
@@ -460,6 +463,15 @@ class Consumer:
     def _make(self) -> KafkaConsumer:
         c = _construct(KafkaConsumer, **self._kwargs)
         if self.topics is not None:
+            # Know every topic's partitions before joining: a leader that assigns before its metadata
+            # has them leaves them unowned until the next metadata refresh.
+            deadline = time.monotonic() + 30
+            for topic in self.topics:
+                while not c.partitions_for_topic(topic):
+                    if time.monotonic() > deadline:
+                        c.close(autocommit=False)
+                        raise StreamError(f"topic {topic} has no partitions on {self.cfg.bootstrap} (not created?)")
+                    time.sleep(0.05)
             c.subscribe(self.topics, listener=_Listener(self))
             return c
         if self.assign_topics is not None:
@@ -654,15 +666,18 @@ class Consumer:
         return offsets
 
     def _on_revoked(self, revoked: list[TopicPartition]) -> None:
-        # Called inside poll() in the worker thread: commit what is done on the partitions we lose.
+        # Called by kafka-python's IO thread during a rebalance: commit what is done on the partitions
+        # we lose. It must not block there (kafka-python 3 refuses a synchronous commit from that
+        # thread), so the commit is sent asynchronously; if it is lost, the next owner re-delivers
+        # those records, which at-least-once allows.
         keys = [(tp.topic, tp.partition) for tp in revoked]
         with self._tracker_lock:
             offsets = {p: o for p, o in self._tracker.committable().items() if p in keys}
         if offsets and self._consumer is not None:
             try:
-                self._consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
-                                       for (t, p), o in offsets.items()})
-            except KafkaError as exc:  # the next owner re-delivers: at-least-once holds
+                self._consumer.commit_async({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
+                                             for (t, p), o in offsets.items()})
+            except KafkaError as exc:
                 log.warning("commit on revoke failed: %s", exc)
         with self._tracker_lock:
             self._tracker.revoke(keys)
