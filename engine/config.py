@@ -43,7 +43,7 @@ class KafkaConfig(Section):
     """Producer compression codec."""
     max_record_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest record the engine produces or accepts; larger ones go to the dead-letter topic."""
-    session_timeout_ms: int = Field(30000, ge=6000, le=300000)
+    session_timeout_ms: int = Field(15000, ge=6000, le=300000)
     """Consumer-group session timeout: a member silent this long is replaced (its partitions re-delivered).
     Shorter recovers faster from a killed process; too short drops live members of a loaded host whose
     heartbeat thread starves for the GIL."""

@@ -433,7 +433,7 @@ class Consumer:
             fetch_max_bytes=max(52428800, cfg.max_record_bytes * 2),
             max_partition_fetch_bytes=max(1048576, cfg.max_record_bytes + 65536),
             session_timeout_ms=cfg.session_timeout_ms,
-            heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 10),
+            heartbeat_interval_ms=max(500, cfg.session_timeout_ms // 10),
             max_poll_interval_ms=300000,
             # The group leader assigns from its metadata; a topic (or partitions) it has not seen yet
             # would get no owner until the next refresh, 5 minutes by default.

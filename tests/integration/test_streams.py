@@ -64,7 +64,7 @@ async def test_group_of_three_with_a_sigkill_loses_nothing(kafka_bootstrap, uniq
     try:
         await _wait_for(lambda: all(_ready(o) for o in outs), 60, "consumers ready")
         # every member holds partitions before the first record: the kill then hits a real owner
-        await _wait_for(lambda: all(_assigned(o) > 0 for o in outs) and sum(map(_assigned, outs)) == 6, 60,
+        await _wait_for(lambda: all(_assigned(o) > 0 for o in outs) and sum(map(_assigned, outs)) == 6, 180,
                         "the group to spread the 6 partitions over 3 members")
         sent: list[str] = []
 
