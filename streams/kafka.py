@@ -435,9 +435,6 @@ class Consumer:
             session_timeout_ms=cfg.session_timeout_ms,
             heartbeat_interval_ms=max(500, cfg.session_timeout_ms // 10),
             max_poll_interval_ms=300000,
-            # The group leader assigns from its metadata; a topic (or partitions) it has not seen yet
-            # would get no owner until the next refresh, 5 minutes by default.
-            metadata_max_age_ms=10000,
             **client_security(cfg),
         )
         self._kwargs.update(overrides)
