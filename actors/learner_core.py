@@ -92,13 +92,11 @@ class Ledger:
 class SeenIds:
     """Sample ids folded into the model's lineage, with their ``min_version``; bounded.
 
-    Bound: after each step, ids with ``min_version < version - max_staleness`` are evicted. Any
-    record carrying such an id is stale and is rejected by the staleness filter anyway, so forgetting
-    it cannot let a duplicate be trained. What remains is the staleness window: about
-    ``(max_staleness + 1) * publish_every * batch_size`` trained ids plus the filtered and stale ones
-    of the same versions (admission control keeps that window small). ``max_ids`` is a memory guard
-    on top: beyond it the oldest versions are evicted first, with a warning, because from then on a
-    duplicate inside the window could be trained twice.
+    Bound: ``max_ids`` ids; beyond it the oldest versions are evicted first, with a warning. Ids are
+    NOT forgotten by age: a sample id can come back with *newer* weight versions (an inference actor
+    killed after emitting part of a group regenerates the whole group under the same sample ids), and
+    such a copy passes the staleness filter, so only the id set stops it from being trained twice.
+    At 1,000,000 ids the set costs ~100 MB and covers far more samples than a run holds in flight.
     """
 
     def __init__(self, max_ids: int = DEFAULT_MAX_SEEN_IDS) -> None:
@@ -115,13 +113,11 @@ class SeenIds:
         self._ids[sample_id] = min_version
 
     def evict(self, version: int, max_staleness: int) -> int:
-        """Forget ids that can only come back stale, then enforce ``max_ids``; returns how many went."""
-        floor = version - max_staleness
+        """Enforce ``max_ids`` (oldest versions first); returns how many went."""
         before = len(self._ids)
-        self._ids = {k: v for k, v in self._ids.items() if v >= floor}
         if len(self._ids) > self.max_ids:
-            log.warning("seen-id set holds %d ids inside the staleness window (cap %d): evicting the "
-                        "oldest; a duplicate of an evicted id would not be recognised",
+            log.warning("seen-id set holds %d ids (cap %d): evicting the oldest; a duplicate of an "
+                        "evicted id would not be recognised",
                         len(self._ids), self.max_ids)
             keep = sorted(self._ids.items(), key=lambda kv: kv[1])[-self.max_ids:]
             self._ids = dict(keep)
