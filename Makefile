@@ -13,8 +13,10 @@ demo: setup
 	$(ROLLOUT) infra up --bwrap
 	$(ROLLOUT) demo
 
-# The integration fixtures start a private broker, nats-server and Docker engine as needed.
+# Static check (unused names, undefined names), then the suite; the integration fixtures start a
+# private broker, nats-server and Docker engine as needed.
 test: setup
+	$(PYTHON) -m pyflakes engine actors sandboxes streams ops tests loadtests
 	$(PYTHON) -m pytest tests -q
 
 down:

@@ -41,13 +41,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
-from actors.learner_core import Learner, Source, StepReport, Verdict
+from actors.learner_core import Learner, StepReport, Verdict
 from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.schemas import Experience
 from engine.topics import Names
-from streams.kafka import Consumer, StreamError
+from streams.kafka import Consumer
 from streams.weights import WeightPublisher
 
 log = logging.getLogger("rollout.learner")

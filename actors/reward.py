@@ -215,6 +215,9 @@ class GroupAssembler(Generic[T]):
         now = self.clock()
         return [tid for tid, g in self._pending.items() if g.deadline <= now]
 
+    def is_pending(self, task_id: str) -> bool:
+        return task_id in self._pending
+
     @property
     def pending_groups(self) -> int:
         return len(self._pending)
@@ -280,6 +283,9 @@ class RewardActor(StreamActor):
         self._last_stats_put = 0.0
         self.duplicates = 0
         self.emitted = 0
+        self._riders: dict[str, list[Record]] = {}
+        """Re-deliveries of outcomes whose group is still pending: acknowledged with the group, so a
+        re-delivery never lets the committed offset pass an outcome that has not been emitted yet."""
 
     def make_consumer(self) -> Consumer:
         return self.rt.consumer(self.role, self.topics, self.expect,
@@ -287,11 +293,11 @@ class RewardActor(StreamActor):
 
     # -- handling ------------------------------------------------------------------------------
     async def handle(self, record: Record) -> None:
-        if not self._seen.add(record.message_id):
-            self.duplicates += 1
-            return
         outcome = record.message
         assert isinstance(outcome, Outcome)
+        if not self._seen.add(record.message_id):
+            self._duplicate(record, outcome.completion_msg().task_id)
+            return
         with tracing.tracer().start_as_current_span("reward", context=tracing.record_context(record),
                                                     kind=SpanKind.CONSUMER) as span:
             completion = outcome.completion_msg()
@@ -305,7 +311,7 @@ class RewardActor(StreamActor):
                                      "rollout.correctness": scored.reward.correctness,
                                      "rollout.arrival": arrival.value, "rollout.verifier_error": scored.verifier_error})
             if arrival is Arrival.DUPLICATE:
-                self.duplicates += 1
+                self._duplicate(record, completion.task_id)
                 return
             self._observe(completion.domain, scored)
             if arrival is Arrival.STRAGGLER:
@@ -316,6 +322,12 @@ class RewardActor(StreamActor):
                 self.defer_ack(record)
                 if arrival is Arrival.COMPLETE:
                     await self._flush(completion.task_id, timed_out=False)
+
+    def _duplicate(self, record: Record, task_id: str) -> None:
+        self.duplicates += 1
+        if self.assembler.is_pending(task_id):
+            self.defer_ack(record)
+            self._riders.setdefault(task_id, []).append(record)
 
     def _score(self, record: Record, outcome: Outcome, completion: Completion) -> _Scored:
         domain = completion.domain
@@ -371,6 +383,8 @@ class RewardActor(StreamActor):
         await asyncio.gather(*futures)
         for m in members:
             m.record.ack()
+        for record in self._riders.pop(task_id, ()):
+            record.ack()
 
     def _send_nowait(self, scored: _Scored, experience: Experience) -> asyncio.Future:
         """Produce ``experience`` (from ``scored``) as a child of its sample's ``reward`` span."""

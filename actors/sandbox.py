@@ -51,7 +51,7 @@ from actors import tracing
 from actors.runtime import Runtime, StreamActor
 from engine.actor import Actor
 from engine.config import SandboxConfig
-from engine.schemas import Completion, Outcome, SandboxRequest, SandboxResult
+from engine.schemas import EPISODES_FULL, Completion, Outcome, SandboxRequest, SandboxResult
 from sandboxes import Limits, SandboxError, SandboxPool
 from sandboxes.verifiers import VERIFIERS, Facts, TerminalEpisode
 from streams.kafka import Record, StreamError
@@ -353,7 +353,7 @@ class EpisodeActor(_SandboxActorBase):
         if req.episode_id in self.episodes:  # a re-delivered open whose reply fell out of the cache
             return ok
         if len(self.episodes) >= self.resources.max_episodes:
-            return dataclasses.replace(ok, error="too_many_episodes")
+            return dataclasses.replace(ok, error=EPISODES_FULL)
         spec, clamped = clamp_spec(req.spec, self.resources.cfg, self.settings)
         episode = TerminalEpisode(spec, self.resources.pool)
         try:

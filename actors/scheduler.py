@@ -5,7 +5,7 @@
 (keyed by task_id) for ``group_size`` samples. The decisions live in small pure classes:
 
 - :class:`Admission` — AReaL's rule: admit a task of ``group_size`` samples only while
-  ``admitted - filtered + group_size <= (max_staleness + version + 1) * batch_size``, with ``version``
+  ``admitted - filtered < (max_staleness + version + 1) * batch_size``, with ``version``
   and ``filtered`` from the learner's status (KV key ``Names.LEARNER_VERSION_KEY``, JSON
   ``{"version", "step", "consumed", "filtered"?, ...}``). ``filtered`` counts samples the learner
   consumed but will never train (zero-variance groups, stragglers, too stale): they leave the
@@ -92,7 +92,14 @@ class Admission:
         return (self.max_staleness + version + 1) * self.batch_size
 
     def can_admit(self, admitted: int, group_size: int, learner: LearnerStatus) -> bool:
-        return admitted - learner.excluded + group_size <= self.capacity(learner.version)
+        """Admit while the running samples leave room under the bound.
+
+        A group may overshoot the bound by fewer than ``group_size`` samples: filtering and
+        staleness drops are per sample, so the learner can be a few samples short of its batch with
+        less than a whole group of room left, and requiring a whole group of room would then stall
+        both forever. The overshoot waits for the next step (or is dropped as stale, accounted).
+        """
+        return admitted - learner.excluded < self.capacity(learner.version)
 
 
 # -- domain weights and curriculum -----------------------------------------------------------------

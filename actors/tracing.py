@@ -16,6 +16,7 @@ keep pointing at whatever provider was installed when it was created.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from opentelemetry import trace
@@ -41,7 +42,25 @@ def context_of(traceparent: str | None) -> Context:
     """
     if not traceparent:
         return Context()
-    return _PROPAGATOR.extract({HEADER_TRACEPARENT: traceparent})
+    remote = _parse_traceparent(traceparent)
+    if remote is None:  # another version or a malformed header: the propagator decides
+        return _PROPAGATOR.extract({HEADER_TRACEPARENT: traceparent})
+    return trace.set_span_in_context(trace.NonRecordingSpan(remote), Context())
+
+
+def _parse_traceparent(value: str) -> trace.SpanContext | None:
+    """A version-00 ``traceparent`` parsed with one anchored pattern (it is read on every record of a
+    rollout; the propagator's pattern also handles other versions and surrounding whitespace), or None
+    for anything else."""
+    if _TRACEPARENT_00.fullmatch(value) is None:
+        return None
+    trace_id, span_id = int(value[3:35], 16), int(value[36:52], 16)
+    if trace_id == 0 or span_id == 0:
+        return None
+    return trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(value[53:], 16)))
+
+
+_TRACEPARENT_00 = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def record_context(record: Record) -> Context:
@@ -52,11 +71,10 @@ def record_context(record: Record) -> Context:
 def traceparent_of(span: trace.Span | None = None) -> str | None:
     """The W3C ``traceparent`` of ``span`` (default: the current span), or None when it has no valid context."""
     span = trace.get_current_span() if span is None else span
-    if not span.get_span_context().is_valid:
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
         return None
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, trace.set_span_in_context(span))
-    return carrier.get(HEADER_TRACEPARENT)
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"  # W3C trace context, version 00
 
 
 def trace_headers(span: trace.Span | None = None) -> dict[str, str]:

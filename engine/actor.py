@@ -135,6 +135,11 @@ class Supervisor:
         """Name -> whether the actor is still running (not returned, not given up)."""
         return {n: s.actor is not None and not s.finished for n, s in self._slots.items()}
 
+    def finished(self, name: str) -> bool:
+        """Whether ``name`` has stopped for good (returned after a drain, or given up); False before it starts."""
+        slot = self._slots.get(name)
+        return slot is not None and slot.finished
+
     def drain(self) -> None:
         """Ask every actor to drain; idempotent."""
         self._draining.set()

@@ -321,8 +321,13 @@ class SandboxResult(Message):
     exit_code: int | None = None
     timed_out: bool = False
     error: str = ""
+    """Empty on success; ``EPISODES_FULL`` is backpressure (open again later), anything else ends the episode."""
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)
     """On ``close``: the verifier's final-state facts of the episode (terminal domain)."""
+
+
+EPISODES_FULL = "too_many_episodes"
+"""``SandboxResult.error`` of an ``open`` refused because the sandbox host holds all the episodes it may."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -57,7 +57,8 @@ class RunResult:
         return self.curve[-1][1] if self.curve else 0.0
 
 
-async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, window: int) -> RunResult:
+async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, window: int,
+                  stall_s: float = 180.0) -> RunResult:
     from ops.deployment import Deployment
 
     recent: list[float] = []
@@ -69,15 +70,22 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
         async with watch, anyio.create_task_group() as tg:
             started = time.monotonic()
             tg.start_soon(d.run)
-            step = 0
-            while step < steps and d.supervisor.alive().get("learner", True):
+            step, last_step, last_progress = 0, 0, started
+            while step < steps and not d.supervisor.finished("learner"):
+                if step != last_step:
+                    last_step, last_progress = step, time.monotonic()
+                elif time.monotonic() - last_progress > stall_s:
+                    for name, actor in d.supervisor.actors.items():
+                        print(f"  stalled {mode}: {name}: {actor.statistics()}", flush=True)
+                    raise RuntimeError(f"{mode}: no learner step for {stall_s:.0f}s (at step {step})")
                 for r in await watch.getmany(timeout_s=0.2):
                     exp = r.message
                     assert isinstance(exp, Experience)
                     recent.append(score(exp.domain, exp.facts, "").correctness if exp.facts else exp.reward)
                     del recent[:-window]
                     samples += 1
-                    curve.append((time.monotonic() - started, sum(recent) / len(recent)))
+                    if len(recent) == window:  # a partial window's mean is noise, not a reward level
+                        curve.append((time.monotonic() - started, sum(recent) / len(recent)))
                     r.ack()
                 learner = d.supervisor.actors.get("learner")
                 step = int(learner.statistics().get("step", 0)) if learner is not None else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -39,15 +40,32 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=Path, help="pid files, logs and data (env ROLLOUT_STATE_DIR, default .state/infra)")
 
 
+RECORDED = "infra.json"
+"""What ``up`` started with (ports, heap, socket), in the state dir: ``down`` and ``status`` of that
+state dir use it, so a stack started on other ports is still found."""
+_RECORDED_FIELDS = ("kafka_port", "kafka_controller_port", "nats_port", "kafka_heap", "docker_socket")
+
+
 def _config(args: argparse.Namespace) -> InfraConfig:
-    return InfraConfig.from_env(
-        state_dir=args.state_dir,
-        kafka_port=getattr(args, "kafka_port", None),
-        kafka_controller_port=getattr(args, "kafka_controller_port", None),
-        nats_port=getattr(args, "nats_port", None),
-        kafka_heap=getattr(args, "kafka_heap", None),
-        docker_socket=getattr(args, "docker_socket", None),
-    )
+    given = {f: getattr(args, f, None) for f in _RECORDED_FIELDS}
+    base = InfraConfig.from_env(state_dir=args.state_dir)
+    recorded_path = base.state_dir / RECORDED
+    recorded: dict[str, object] = {}
+    if recorded_path.is_file():
+        try:
+            recorded = {k: v for k, v in json.loads(recorded_path.read_text()).items() if k in _RECORDED_FIELDS}
+        except (OSError, ValueError) as exc:
+            raise InfraError(f"cannot read {recorded_path} ({exc}); delete it if the stack there is gone") from None
+    # flags given now win, then what `up` recorded for this state dir, then the environment
+    overrides = {f: given[f] if given[f] is not None else recorded.get(f) for f in _RECORDED_FIELDS}
+    return InfraConfig.from_env(state_dir=base.state_dir, **overrides)
+
+
+def _record(config: InfraConfig) -> None:
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    values = {f: getattr(config, f) for f in _RECORDED_FIELDS}
+    values["docker_socket"] = str(values["docker_socket"])
+    (config.state_dir / RECORDED).write_text(json.dumps(values, indent=2) + "\n")
 
 
 def _fail(exc: InfraError) -> int:
@@ -59,7 +77,9 @@ def _fail(exc: InfraError) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     try:
-        stack = Stack(_config(args), docker=args.docker, bwrap=args.bwrap)
+        config = _config(args)
+        _record(config)
+        stack = Stack(config, docker=args.docker, bwrap=args.bwrap)
         rows = stack.up(log=lambda line: print(line, flush=True))
     except InfraError as exc:
         return _fail(exc)

@@ -157,7 +157,7 @@ async def rl_run(cfg: EngineConfig, run_dir: Path, plan: DemoPlan, curves: Rewar
                 if line != shown:
                     print(f"\r[{time.monotonic() - started:5.0f}s] {line}   ", end="", flush=True)
                     shown = line
-                if not deployment.supervisor.alive().get("learner", True) or step >= plan.steps:
+                if deployment.supervisor.finished("learner") or step >= plan.steps:
                     break
             print(flush=True)
             deployment.drain()

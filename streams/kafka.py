@@ -21,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -30,8 +31,11 @@ import anyio
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewPartitions, NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.net import inet as _kafka_inet
 from kafka.net.compat import KafkaNetClient
+from kafka.net.selector import NetworkSelector as _KafkaNetworkSelector
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from engine.config import KafkaConfig
@@ -69,6 +73,51 @@ def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
                 f"{cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, sasl_username={cfg.sasl_username}, "
                 f"ssl_cafile={cfg.ssl_cafile})")
     return StreamError(f"{what} {cfg.bootstrap}: {type(exc).__name__}: {exc}{hint}")
+
+
+def _close_connecting_sockets_on_abort() -> None:
+    """kafka-python 3.0's ``KafkaNetSocket.connect`` keeps a half-open socket when the connect fails or
+    its coroutine is closed (a client closed while connecting): the socket is only reclaimed by the
+    garbage collector, with a ResourceWarning. Close it there instead. Applied once, at import."""
+    cls = _kafka_inet.KafkaNetSocket
+    if getattr(cls.connect, "_closes_on_abort", False):
+        return
+
+    async def connect(self: Any, net: Any, addrinfo: tuple[Any, ...], socket_options: Any = (),
+                      timeout_at: float | None = None) -> Any:
+        family, sock_type, proto, _canonname, sockaddr = addrinfo
+        sock = self.socket(family, sock_type, proto)
+        try:
+            sock.setblocking(False)
+            for option in socket_options:
+                sock.setsockopt(*option)
+            return await self.sock_connect(net, sock, sockaddr, timeout_at=timeout_at)
+        except BaseException:
+            sock.close()
+            raise
+
+    connect._closes_on_abort = True  # type: ignore[attr-defined]
+    cls.connect = connect  # type: ignore[method-assign]
+
+    # Closing the client closes its connections' transports "after their buffered data is flushed",
+    # which never happens once the selector is gone: close what is still registered there first.
+    selector_close = _KafkaNetworkSelector.close
+
+    def close(self: Any) -> None:
+        if not self._closed:
+            own = {id(self._wakeup_r), id(self._wakeup_w)}
+            leftovers = [key.fileobj for key in list(self._selector.get_map().values())
+                         if id(key.fileobj) not in own and isinstance(key.fileobj, socket.socket)]
+            selector_close(self)
+            for sock in leftovers:
+                sock.close()
+            return
+        selector_close(self)
+
+    _KafkaNetworkSelector.close = close  # type: ignore[method-assign]
+
+
+_close_connecting_sockets_on_abort()
 
 
 def _construct(factory: Callable[..., Any], **kwargs: Any) -> Any:
@@ -385,6 +434,10 @@ class _Listener(ConsumerRebalanceListener):
     def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
         self.consumer._on_revoked(list(revoked))
 
+    def on_partitions_lost(self, lost: Iterable[TopicPartition]) -> None:
+        # Evicted from the group: a commit would be refused; the next owner re-delivers.
+        self.consumer._on_revoked(list(lost), commit=False)
+
     def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         self.consumer._on_assigned(list(assigned))
 
@@ -435,6 +488,10 @@ class Consumer:
             session_timeout_ms=cfg.session_timeout_ms,
             heartbeat_interval_ms=max(500, cfg.session_timeout_ms // 10),
             max_poll_interval_ms=300000,
+            # Incremental (KIP-429) rebalancing: a member keeps the partitions it is not asked to give
+            # up, with their positions and in-flight records; eager rebalancing would revoke them all
+            # on any membership or metadata change and re-deliver work still being processed.
+            partition_assignment_strategy=(CooperativeStickyAssignor,),
             **client_security(cfg),
         )
         self._kwargs.update(overrides)
@@ -662,7 +719,7 @@ class Consumer:
         self.commits += 1
         return offsets
 
-    def _on_revoked(self, revoked: list[TopicPartition]) -> None:
+    def _on_revoked(self, revoked: list[TopicPartition], *, commit: bool = True) -> None:
         # Called by kafka-python's IO thread during a rebalance: commit what is done on the partitions
         # we lose. It must not block there (kafka-python 3 refuses a synchronous commit from that
         # thread), so the commit is sent asynchronously; if it is lost, the next owner re-delivers
@@ -670,7 +727,7 @@ class Consumer:
         keys = [(tp.topic, tp.partition) for tp in revoked]
         with self._tracker_lock:
             offsets = {p: o for p, o in self._tracker.committable().items() if p in keys}
-        if offsets and self._consumer is not None:
+        if offsets and commit and self._consumer is not None:
             try:
                 self._consumer.commit_async({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
                                              for (t, p), o in offsets.items()})

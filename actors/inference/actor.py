@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from opentelemetry.trace import SpanKind
 from actors import tracing
 from actors.inference.sglang_client import GenerateResult, SGLangClient, SGLangError
 from actors.runtime import INFRA_ERRORS, Runtime, StreamActor
-from engine.schemas import Completion, SandboxRequest, SandboxResult, Task, TokenChunk
+from engine.schemas import EPISODES_FULL, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
 from streams.kafka import Consumer, Record
 from streams.weights import WeightSubscriber
 
@@ -48,6 +49,10 @@ def format_observation(output: str) -> str:
 
 class SandboxUnavailable(RuntimeError):
     """A sandbox step got no answer in time, or the sandbox actor lost the episode."""
+
+
+class SandboxFull(SandboxUnavailable):
+    """The sandbox host refused to open an episode: it holds as many as it may (backpressure)."""
 
 
 class _Sample:
@@ -100,11 +105,13 @@ class InferenceActor(StreamActor):
         self._replies: dict[tuple[str, int], SandboxResult] = {}
         self._reply_events: dict[tuple[str, int], anyio.Event] = {}
         self.weight_version = 0
+        self._version_applied = anyio.Event()  # set (and replaced) whenever a weight version is applied
         self._update_epoch = 0  # bumped by every weight update; an abort seen across a bump is resumed
         self._weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rollout-weights-"))
         self.samples_done = 0
         self.tokens_out = 0
         self.resumed = 0
+        self.waited_for_sandbox = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -147,6 +154,8 @@ class InferenceActor(StreamActor):
                 await self.client.update_weights_from_disk(str(vdir), weight_version=str(manifest.version),
                                                            abort_all_requests=True)
             self.weight_version = manifest.version
+            self._version_applied.set()
+            self._version_applied = anyio.Event()
             log.info("%s: applied weight version %d", self.name, manifest.version)
 
     # -- sandbox replies ---------------------------------------------------------------------------
@@ -177,13 +186,56 @@ class InferenceActor(StreamActor):
         if reply is None:
             raise SandboxUnavailable(f"no sandbox reply for {req.episode_id} step {req.step}")
         if reply.error:
-            raise SandboxUnavailable(f"sandbox error for {req.episode_id} step {req.step}: {reply.error}")
+            kind = SandboxFull if reply.error == EPISODES_FULL else SandboxUnavailable
+            raise kind(f"sandbox error for {req.episode_id} step {req.step}: {reply.error}")
         return reply
 
+    async def _open_episode(self, record: Record, req: SandboxRequest) -> SandboxResult:
+        """Open an episode, waiting (with backoff) while the sandbox hosts are full.
+
+        ``too_many_episodes`` is backpressure, not a failure: more episodes are in flight than the hosts
+        hold. Retrying here keeps the waiting on this side instead of in the sandbox actor's handler
+        slots, which the steps and closes that free a place need. Gives up after ``sandbox.timeout_s * 3
+        + 30`` seconds, like a reply that never comes.
+        """
+        deadline = time.monotonic() + self.rt.cfg.sandbox.timeout_s * 3 + 30
+        delay = 0.1
+        while True:
+            try:
+                return await self._sandbox(record, req)
+            except SandboxFull:
+                if time.monotonic() + delay > deadline:
+                    raise
+                self.waited_for_sandbox += 1
+                await anyio.sleep(delay)  # a retry backoff, not a readiness wait
+                delay = min(2.0, delay * 2)
+
     # -- generation --------------------------------------------------------------------------------
+    async def _await_weights(self, task: Task) -> None:
+        """Hold a task admitted at learner version v until weights of version v are applied here.
+
+        The scheduler admits by the learner's version; generating with older weights would make
+        samples staler than the bound admission keeps (with ``max_staleness = 0`` every one of them
+        would be dropped). Versions are published every ``learner.publish_every`` steps, so the wait is
+        for the last published version at or below v. Bounded by ``weight_sync_timeout_s``: if the
+        weights do not come, the task is generated anyway and the learner judges its staleness.
+        """
+        every = self.rt.cfg.learner.publish_every
+        wanted = task.admitted_version - task.admitted_version % every
+        if self.rt.nats is None or self.weight_version >= wanted:
+            return
+        with anyio.move_on_after(self.rt.cfg.inference.weight_sync_timeout_s):
+            while self.weight_version < wanted:
+                await self._version_applied.wait()
+        if self.weight_version < wanted:
+            log.warning("%s: task %s admitted at version %d; weights still at %d after %.0fs, generating anyway",
+                        self.name, task.task_id, task.admitted_version, self.weight_version,
+                        self.rt.cfg.inference.weight_sync_timeout_s)
+
     async def handle(self, record: Record) -> None:
         task = record.message
         assert isinstance(task, Task)
+        await self._await_weights(task)
         prompt_ids = (task.prompt_ids.tolist() if task.prompt_ids is not None
                       else self.tokenizer.encode(task.prompt, add_special_tokens=False))
         completions: list[Completion | None] = [None] * task.group_size
@@ -295,7 +347,7 @@ class InferenceActor(StreamActor):
                                   domain=task.domain, command=command, spec=task.spec if action == "open" else {})
 
         try:
-            await self._sandbox(record, req("open"))
+            await self._open_episode(record, req("open"))
             turn_sampling = dict(sampling, stop=list(sampling.get("stop", [])) + ["\n"])
             per_turn = max(1, int(sampling["max_new_tokens"]))
             finish = "stop"
@@ -325,5 +377,5 @@ class InferenceActor(StreamActor):
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()
         stats.update(weight_version=self.weight_version, samples_done=self.samples_done,
-                     tokens_out=self.tokens_out, resumed=self.resumed)
+                     tokens_out=self.tokens_out, resumed=self.resumed, waited_for_sandbox=self.waited_for_sandbox)
         return stats

@@ -8,7 +8,6 @@ then SIGKILL after a grace period), never by name.
 from __future__ import annotations
 
 import ctypes
-import ctypes
 import json
 import os
 import signal

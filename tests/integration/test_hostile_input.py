@@ -25,8 +25,8 @@ import pytest
 
 from engine.config import EngineConfig, InferenceConfig, KafkaConfig, NatsConfig, RewardConfig, SandboxConfig
 from engine.schemas import Completion, DeadLetter, Outcome, SandboxRequest, SandboxResult, Task
+from helpers.fixtures import sandbox_processes
 from ops.deployment import Deployment
-from sandboxes.bwrap import UID_BASE, UID_COUNT
 from sandboxes.cgroups import list_groups
 from streams.codec import encode
 from streams.kafka import Consumer, Producer, Record
@@ -72,19 +72,6 @@ def invalid_utf8_task() -> bytes:
     packed_marker = msgpack.packb(marker)
     assert value.count(packed_marker) == 1
     return value.replace(packed_marker, bytes([0xA0 | len(bad)]) + bad)
-
-
-def sandbox_processes() -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                uid = os.stat(f"/proc/{entry}").st_uid
-            except OSError:
-                continue
-            if UID_BASE <= uid < UID_BASE + UID_COUNT:
-                found.add(int(entry))
-    return found
 
 
 class Collector:
@@ -204,7 +191,7 @@ async def test_poison_and_hostile_input_do_not_hurt_a_running_deployment(
             # -- a valid task still goes all the way through ------------------------------------------
             await d.rt.producer.send(names.tasks, task("valid"), key="valid")
 
-            letters = await dlq.until(lambda ms: len(ms) >= len(poison_tasks) + 3, 120, "dead letters")
+            await dlq.until(lambda ms: len(ms) >= len(poison_tasks) + 3, 120, "dead letters")
             wanted = {s.sample_id for s in hostile.values()} | {"absurd", "valid/0", "valid/1"}
             got = await outcomes.until(lambda ms: wanted <= {m.completion["sample_id"] for m in ms}, 180, "outcomes")
             await experience.until(lambda ms: sum(m.task_id == "valid" for m in ms) >= 2, 120, "experience")

@@ -90,3 +90,46 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
     # at least one generation spanned the update: its tokens were kept and tagged with both versions
     assert any(len(set(c.weight_versions.tolist())) == 2 for c in completions.values())
     assert stats["resumed"] >= 1
+
+
+async def test_a_task_admitted_at_a_newer_version_waits_for_those_weights(
+        kafka_bootstrap, nats_url, unique_name, tmp_path):
+    model_dir = write_tiny_model_dir(tmp_path / "model", seed=0)
+    _, tokenizer = load_model_dir(model_dir)
+    cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1),
+                       nats=NatsConfig(url=nats_url), scheduler=SchedulerConfig(group_size=2),
+                       inference=InferenceConfig(concurrency=8, temperature=1.0))
+    async with LocalServer(model_dir, log_path=tmp_path / "server.log") as url, Runtime(cfg) as rt:
+        names = rt.names
+        for task_id, version in (("now", 0), ("next", 1)):  # "next" was admitted after the learner's step 1
+            await rt.producer.send(names.tasks, Task(
+                task_id=task_id, domain="arith", prompt="1+2=", spec={"answer": "3"}, group_size=2,
+                sampling={"max_new_tokens": 32, "ignore_eos": True}, admitted_version=version), key=task_id)
+        sup = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
+        sup.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w"))
+        completions: dict[str, Completion] = {}
+        chunks: dict[str, int] = defaultdict(int)
+        watch = Consumer(cfg.kafka, topics=[names.completions, names.tokens], group=f"{unique_name}.watch",
+                         expect=("completion", "token_chunk"))
+        async with watch, anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+
+            async def until(n: int) -> None:
+                with anyio.fail_after(120):
+                    while len(completions) < n:
+                        for r in await watch.getmany(timeout_s=0.2):
+                            m = r.message
+                            if isinstance(m, TokenChunk):
+                                chunks[m.task_id] += 1
+                            else:
+                                completions[m.sample_id] = m
+                            r.ack()
+
+            await until(2)  # the version-0 task is done; the version-1 task has been held all along
+            assert set(completions) == {"now/0", "now/1"} and chunks["next"] == 0
+            await WeightPublisher(rt.require_nats(), names).publish(1, _perturbed_copy(model_dir, tmp_path / "v1"))
+            await until(4)
+            sup.drain()
+    held = [completions["next/0"], completions["next/1"]]
+    assert all(set(c.weight_versions.tolist()) == {1} for c in held)  # not one token from the old weights
+    assert all(set(completions[f"now/{i}"].weight_versions.tolist()) == {0} for i in range(2))

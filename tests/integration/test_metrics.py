@@ -6,28 +6,15 @@ import re
 
 import aiohttp
 import anyio
-import numpy as np
 import pytest
 
 from engine.config import EngineConfig, KafkaConfig, NatsConfig, RewardConfig, TelemetryConfig
-from engine.schemas import Completion, Outcome
+from helpers.fixtures import answer_outcome
 from ops.deployment import Deployment
 
 pytestmark = pytest.mark.anyio
 
 GROUP = 2
-
-
-def outcome(task_id: str, index: int, correct: bool) -> Outcome:
-    n = 3
-    completion = Completion(
-        sample_id=f"{task_id}/{index}", task_id=task_id, domain="arith", group_index=index, group_size=GROUP,
-        prompt_ids=np.arange(4, dtype=np.int32), response_ids=np.arange(n, dtype=np.int32),
-        logprobs=np.full(n, -0.5, np.float32), loss_mask=np.ones(n, np.uint8),
-        weight_versions=np.zeros(n, np.int32), text="19" if correct else "18", finish_reason="stop",
-        spec={"answer": "19"})
-    return Outcome(completion=completion.to_body(), facts={"correct": correct, "extracted": completion.text},
-                   verifier="answer")
 
 
 def series(text: str, name: str, **labels: str) -> float | None:
@@ -43,7 +30,7 @@ async def produce_groups(d: Deployment, prefix: str, groups: int) -> None:
     for g in range(groups):
         task_id = f"{prefix}-{g}"
         for i in range(GROUP):
-            await d.rt.producer.send(d.rt.names.outcomes, outcome(task_id, i, correct=i == 0), key=task_id)
+            await d.rt.producer.send(d.rt.names.outcomes, answer_outcome(task_id, i, i == 0, GROUP), key=task_id)
 
 
 @pytest.mark.timeout(180)

@@ -7,30 +7,18 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import numpy as np
 import pytest
 
 from actors.reward import REWARD_STATS_KEY, RewardActor, experience_message_id
 from actors.runtime import Runtime
 from engine.config import EngineConfig, KafkaConfig, NatsConfig, RewardConfig
-from engine.schemas import Completion, Experience, Outcome
+from engine.schemas import Experience
+from helpers.fixtures import answer_outcome
 from streams.kafka import Consumer
 
 pytestmark = pytest.mark.anyio
 
 GROUP = 4
-
-
-def _outcome(task_id: str, index: int, correct: bool) -> Outcome:
-    n = 3
-    completion = Completion(
-        sample_id=f"{task_id}/{index}", task_id=task_id, domain="arith", group_index=index, group_size=GROUP,
-        prompt_ids=np.arange(4, dtype=np.int32), response_ids=np.arange(n, dtype=np.int32),
-        logprobs=np.full(n, -0.5, np.float32), loss_mask=np.ones(n, np.uint8),
-        weight_versions=np.zeros(n, np.int32), text="19" if correct else "18", finish_reason="stop",
-        spec={"answer": "19"})
-    return Outcome(completion=completion.to_body(), facts={"correct": correct, "extracted": completion.text},
-                   verifier="answer")
 
 
 async def _until(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
@@ -63,11 +51,11 @@ async def test_groups_zero_variance_and_stragglers(kafka_bootstrap: str, nats_ur
                 return sorted((e for e in got if e.task_id == task_id), key=lambda e: e.sample_id)
 
             # a group with signal, and a group where every sample is right
-            mixed = [_outcome("mixed", i, c) for i, c in enumerate((True, False, False, True))]
+            mixed = [answer_outcome("mixed", i, c, GROUP) for i, c in enumerate((True, False, False, True))]
             for i, o in enumerate(mixed):
                 await rt.producer.send(rt.names.outcomes, o, key="mixed", message_id=f"mixed-{i}")
             for i in range(GROUP):
-                await rt.producer.send(rt.names.outcomes, _outcome("flat", i, True), key="flat")
+                await rt.producer.send(rt.names.outcomes, answer_outcome("flat", i, True, GROUP), key="flat")
             await collect(8)
             assert [e.reward for e in of("mixed")] == [1.0, 0.0, 0.0, 1.0]
             assert sum(e.advantage for e in of("mixed")) == pytest.approx(0.0, abs=1e-6)
@@ -76,10 +64,17 @@ async def test_groups_zero_variance_and_stragglers(kafka_bootstrap: str, nats_ur
             assert all(e.filtered == "zero_variance" and e.advantage == 0.0 for e in of("flat"))
 
             # a group missing one sample: held (not acknowledged) until the timeout flushes it
-            for i, c in enumerate((True, False, True)):
-                await rt.producer.send(rt.names.outcomes, _outcome("late", i, c), key="late")
+            late_outcomes = [answer_outcome("late", i, c, GROUP) for i, c in enumerate((True, False, True))]
+            for i, o in enumerate(late_outcomes):
+                await rt.producer.send(rt.names.outcomes, o, key="late", message_id=f"late-{i}")
             await _until(lambda: actor.assembler.pending_samples == 3, 10, "late group pending")
-            assert actor.consumer is not None and actor.consumer.statistics()["in_flight"] >= 3
+            consumer = actor.consumer
+            assert consumer is not None and consumer.statistics()["in_flight"] == 3
+            # a re-delivery of a held outcome is held with it: acknowledging it now would let the
+            # committed offset pass the group before the group is emitted
+            await rt.producer.send(rt.names.outcomes, late_outcomes[0], key="late", message_id="late-0")
+            await _until(lambda: actor.duplicates == 1, 10, "re-delivery seen")
+            assert consumer.statistics()["in_flight"] == 4 and actor.assembler.pending_samples == 3
             await collect(11)
             late = of("late")
             assert len(late) == 3 and all(e.filtered == "" for e in late)
@@ -90,10 +85,10 @@ async def test_groups_zero_variance_and_stragglers(kafka_bootstrap: str, nats_ur
             # re-deliveries: the same message id, then the same sample under a new message id
             await rt.producer.send(rt.names.outcomes, mixed[0], key="mixed", message_id="mixed-0")
             await rt.producer.send(rt.names.outcomes, mixed[1], key="mixed")
-            await _until(lambda: actor.duplicates == 2, 10, "duplicates dropped")
+            await _until(lambda: actor.duplicates == 3, 10, "duplicates dropped")
 
             # the straggler arrives after its group was emitted
-            await rt.producer.send(rt.names.outcomes, _outcome("late", 3, False), key="late")
+            await rt.producer.send(rt.names.outcomes, answer_outcome("late", 3, False, GROUP), key="late")
             await collect(12)
             straggler = [e for e in of("late") if e.sample_id == "late/3"]
             assert len(straggler) == 1 and straggler[0].filtered == "straggler" and straggler[0].advantage == 0.0

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from actors.runtime import Runtime
+from helpers.fixtures import sandbox_processes
 from actors.sandbox import EPISODE_UNKNOWN, SandboxResources, SandboxSettings, build_sandbox_actors
 from engine.actor import RestartPolicy, Supervisor
 from engine.config import EngineConfig, KafkaConfig, NatsConfig, SandboxConfig
 from engine.schemas import Completion, DeadLetter, Outcome, SandboxRequest, SandboxResult
-from sandboxes.bwrap import SANDBOX_ROOT, UID_BASE, UID_COUNT, bwrap_path
+from sandboxes.bwrap import SANDBOX_ROOT
 from sandboxes.cgroups import list_groups
 from streams.kafka import Consumer, Record
 
@@ -50,20 +51,6 @@ def completion(sample_id: str, domain: str, text: str, spec: dict[str, Any], **e
         prompt_ids=np.arange(4, dtype=np.int32), response_ids=np.arange(n, dtype=np.int32),
         logprobs=np.zeros(n, dtype=np.float32), loss_mask=np.ones(n, dtype=np.uint8),
         weight_versions=np.zeros(n, dtype=np.int32), text=text, finish_reason="stop", spec=spec, **extra)
-
-
-def sandbox_processes() -> set[int]:
-    """Live processes running as a sandbox uid."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                uid = os.stat(f"/proc/{entry}").st_uid
-            except OSError:
-                continue
-            if UID_BASE <= uid < UID_BASE + UID_COUNT:
-                found.add(int(entry))
-    return found
 
 
 def owned_sandboxes() -> set[str]:

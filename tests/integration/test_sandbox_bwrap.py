@@ -12,7 +12,6 @@ import anyio
 import pytest
 
 from sandboxes import Limits, SandboxPool, open_sandbox
-from sandboxes.bwrap import bwrap_path
 from sandboxes.reaper import leftover_processes
 from sandboxes.verifiers import verify_code, verify_terminal
 

@@ -82,7 +82,9 @@ async def test_drain_is_idempotent_and_an_actor_can_finish_on_its_own():
 
     sup = Supervisor(FAST)
     sup.add("once", Once)
+    assert not sup.finished("once") and not sup.alive()["once"]  # not started is not finished
     sup.drain()
     sup.drain()
     with anyio.fail_after(5):
         await sup.run()
+    assert sup.finished("once") and not sup.finished("unknown")

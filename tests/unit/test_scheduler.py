@@ -22,7 +22,19 @@ def test_admission_rule() -> None:
     # samples the learner filtered out leave room, or a run of all-filtered groups would stall
     assert a.can_admit(16, 4, LearnerStatus(version=0, filtered=4))
     assert Admission(batch_size=4, max_staleness=0).can_admit(0, 4, v0)
-    assert not Admission(batch_size=4, max_staleness=0).can_admit(0, 5, v0)
+    assert not Admission(batch_size=4, max_staleness=0).can_admit(4, 4, v0)
+    # less than a group of room left still admits one: otherwise a learner a few samples short of a
+    # batch (per-sample stale drops) and a scheduler waiting for a whole group of room wait forever
+    assert a.can_admit(15, 4, v0) and not a.can_admit(16, 1, v0)
+
+
+def test_admission_never_stalls_when_stale_drops_leave_a_partial_batch() -> None:
+    """The sync deadlock found by loadtests/async_vs_sync.py: max_staleness 0, batch 32, groups of 8,
+    7 steps trained, and the pending batch 5 samples short after per-sample stale drops."""
+    a = Admission(batch_size=32, max_staleness=0)
+    status = LearnerStatus(version=7, filtered=264)
+    admitted = 7 * 32 + 27 + 264  # trained + trainable pending + excluded
+    assert a.can_admit(admitted, 8, status)
 
 
 def test_admission_simulated_run_never_exceeds_the_staleness_bound() -> None:

@@ -76,6 +76,32 @@ def test_missing_or_malformed_traceparent_starts_a_new_root(spans: InMemorySpanE
     assert finished(spans)["verify"].parent is None
 
 
+_VALID = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize("header", [
+    _VALID, _VALID[:-2] + "00", _VALID.upper(), _VALID.replace("-", "_"), _VALID + "-extra", " " + _VALID,
+    "01" + _VALID[2:], "ff" + _VALID[2:], _VALID[:3] + "0" * 32 + _VALID[35:], _VALID[:36] + "0" * 16 + _VALID[52:],
+    _VALID[:3] + "4bf92f3577b34da6a3ce929d0e0e473_" + _VALID[35:], _VALID[:53] + "+1", _VALID[:53] + "zz",
+])
+def test_the_fast_traceparent_path_reads_what_the_w3c_propagator_reads(header: str) -> None:
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    expected = trace.get_current_span(TraceContextTextMapPropagator().extract({HEADER_TRACEPARENT: header}))
+    got = trace.get_current_span(tracing.context_of(header))
+    assert got.get_span_context() == expected.get_span_context()
+
+
+def test_traceparent_of_is_what_the_w3c_propagator_writes(spans: InMemorySpanExporter) -> None:
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    with tracing.tracer().start_as_current_span("schedule") as span:
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier)
+        assert tracing.traceparent_of(span) == carrier[HEADER_TRACEPARENT]
+        assert TRACEPARENT.match(carrier[HEADER_TRACEPARENT])
+
+
 def test_span_context_of_gives_a_linkable_remote_context(spans: InMemorySpanExporter) -> None:
     with tracing.tracer().start_as_current_span("reward") as span:
         tp = tracing.traceparent_of()
