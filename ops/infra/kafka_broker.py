@@ -7,7 +7,6 @@ The jars come from Maven Central through ops/infra/kafka/pom.xml and are cached 
 from __future__ import annotations
 
 import base64
-import logging
 import re
 import shutil
 import subprocess
@@ -20,8 +19,6 @@ from ops.infra.config import HOST, LOG4J2_CONFIG, POM_PATH, InfraConfig
 from ops.infra.errors import InfraError
 from ops.infra.process import find_executable, log_tail, tcp_accepts
 from ops.infra.service import Service
-
-log = logging.getLogger("rollout.infra")
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 """Largest record batch the broker accepts: room for 1 MB+ records (token streams, outcomes)."""
@@ -62,8 +59,14 @@ def render_server_properties(config: InfraConfig, data_dir: Path, extra: Mapping
 
 
 def new_cluster_id() -> str:
-    """A Kafka cluster id: 16 random bytes, URL-safe base64 without padding (Kafka's Uuid format)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    """A Kafka cluster id: 16 random bytes, URL-safe base64 without padding (Kafka's Uuid format).
+
+    Never one starting with ``-`` (one in 64 would): the storage tool's argument parser reads it as an
+    option (Kafka's own ``Uuid.randomUuid`` avoids them for the same reason)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def find_java() -> str:
@@ -166,26 +169,19 @@ class KafkaBroker(Service):
         if not (self.data_dir / "meta.properties").is_file():
             self._format_storage()
 
-    def _format_storage(self, attempts: int = 2) -> None:
-        """Format the KRaft storage; a JVM that fails at start-up (seen once on a loaded CI machine)
-        gets one more try, and the error names the tool's last line."""
+    def _format_storage(self) -> None:
         argv = [
             *self._java_cmd(["-Xmx256m"]), "kafka.tools.StorageTool", "format",
             "-t", new_cluster_id(), "-c", str(self.properties_file), "--ignore-formatted",
         ]  # fmt: skip
-        for attempt in range(1, attempts + 1):
-            result = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=self.dir)
-            if result.returncode == 0:
-                return
+        result = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=self.dir)
+        if result.returncode != 0:
             lines = (result.stdout + result.stderr).strip().splitlines()
-            if attempt < attempts:
-                log.warning("kafka storage format failed (exit %d), trying again: %s", result.returncode,
-                            lines[-1] if lines else "no output")
-        raise InfraError(
-            f"kafka storage format failed (exit {result.returncode}) in {self.data_dir}: "
-            f"{lines[-1] if lines else 'no output'}",
-            log_tail="\n".join(lines[-20:]),
-        )
+            raise InfraError(
+                f"kafka storage format failed (exit {result.returncode}) in {self.data_dir}: "
+                f"{lines[-1] if lines else 'no output'}",
+                log_tail="\n".join(lines[-20:]),
+            )
 
     def is_healthy(self, timeout_s: float = 3.0) -> bool:
         return kafka_answers_metadata(self.bootstrap_servers, timeout_s)

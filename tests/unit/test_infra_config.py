@@ -66,6 +66,8 @@ def test_cluster_id_is_a_kafka_uuid() -> None:
     cid = new_cluster_id()
     assert len(cid) == 22 and len(base64.urlsafe_b64decode(cid + "==")) == 16
     assert cid != new_cluster_id()
+    # never an id the storage tool would parse as an option (one in 64 random ids starts with "-")
+    assert not any(new_cluster_id().startswith("-") for _ in range(2000))
 
 
 def test_pid_record_round_trip_and_ownership(tmp_path: Path) -> None:
