@@ -198,7 +198,7 @@ class SandboxResources:
         async with self._lock:
             if self._pool is None:
                 pool = SandboxPool(self.cfg.backend, self.limits, size=min(self.cfg.pool_size, self.cfg.max_sandboxes),
-                                   max_size=self.cfg.max_sandboxes)
+                                   max_size=self.cfg.max_sandboxes, idle_ttl_s=self.cfg.idle_ttl_s)
                 try:
                     await pool.start()
                 except SandboxError as exc:

@@ -125,6 +125,8 @@ class SandboxConfig(Section):
     """Pre-warmed sandboxes."""
     max_sandboxes: int = Field(64, ge=1)
     """Most sandboxes open at once in this process."""
+    idle_ttl_s: float = Field(60.0, gt=0)
+    """Idle sandboxes beyond `pool_size` (left from a burst) are closed after this long unused."""
     memory_mb: int = Field(256, ge=16)
     """Memory limit per sandbox."""
     pids: int = Field(64, ge=4)

@@ -61,6 +61,48 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _socket_kinds(pid: int) -> dict[str, str]:
+    """Socket inode -> ``unix`` / ``tcp`` / ``udp`` / ``netlink``, from the process's /proc/net tables."""
+    kinds = {}
+    for table, kind in (("unix", "unix"), ("tcp", "tcp"), ("tcp6", "tcp"), ("udp", "udp"), ("udp6", "udp"),
+                        ("netlink", "netlink")):
+        with contextlib.suppress(OSError):
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            column = 6 if kind == "unix" else (5 if kind == "netlink" else 9)
+            for line in lines:
+                fields = line.split()
+                if len(fields) > column:
+                    kinds[fields[column]] = kind
+    return kinds
+
+
+def fd_census(pid: int) -> dict[str, int]:
+    """The process's open descriptors by kind: unix/tcp/udp sockets, pipes, anon inodes, files, ...
+
+    Each open bwrap sandbox holds exactly one (its unix control socket), so a leak shows as growth of
+    ``total - open sandboxes`` between two quiescent points; the kinds say where it is.
+    """
+    sockets = _socket_kinds(pid)
+    census: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed while we looked
+        if target.startswith("socket:["):
+            kind = "socket_" + sockets.get(target[8:-1], "other")
+        elif target.startswith("pipe:"):
+            kind = "pipe"
+        elif target.startswith("anon_inode:"):
+            kind = "anon_" + target.removeprefix("anon_inode:").strip("[]")
+        elif target.startswith("/dev/"):
+            kind = "device"
+        else:
+            kind = "file"
+        census[kind] = census.get(kind, 0) + 1
+    return dict(sorted(census.items()))
+
+
 def owned_sandboxes(owner_pid: int) -> set[str]:
     """Ids (``sbx-<uid>``) of the sandboxes whose owner file names ``owner_pid``."""
     from sandboxes.bwrap import SANDBOX_ROOT
@@ -96,6 +138,21 @@ def sandbox_mounts(ids: set[str]) -> list[str]:
         if target.startswith(f"{root}/") and name in ids:
             out.append(target)
     return out
+
+
+def wait_for_teardown(ids: set[str], timeout_s: float = 300.0) -> tuple[dict[str, int], float]:
+    """:func:`leftovers` once nothing is left or ``timeout_s`` has passed; and how long that took.
+
+    The kernel tears down a killed sandbox's pid namespace asynchronously: after the sandbox process
+    has exited, a thousand namespaces take a while to empty. What is still there at the deadline is
+    a leak; what goes before it is teardown.
+    """
+    t0 = time.monotonic()
+    while True:
+        found = leftovers(ids)
+        if not any(found.values()) or time.monotonic() - t0 > timeout_s:
+            return found, time.monotonic() - t0
+        time.sleep(0.5)
 
 
 def leftovers(ids: set[str]) -> dict[str, int]:
@@ -339,14 +396,15 @@ async def _drive(kafka: KafkaConfig, names: Names, driver: Driver, proc: subproc
         await watch(t0 + warmup_s)
         await driver.quiesce()
         figures.update(baseline_rss_mb=rss_mb(pid), baseline_fds=fd_count(pid),
-                       baseline_sandboxes=len(owned_sandboxes(pid)))
+                       baseline_sandboxes=len(owned_sandboxes(pid)), baseline_fd_kinds=fd_census(pid))
         start_counts = (driver.episodes, driver.steps, driver.verifications)
         t1 = time.monotonic()
         driver.gate.set()
         await watch(t1 + duration_s)
         await driver.quiesce()
         measured_s = time.monotonic() - t1
-        figures.update(end_rss_mb=rss_mb(pid), end_fds=fd_count(pid), end_sandboxes=len(owned_sandboxes(pid)))
+        figures.update(end_rss_mb=rss_mb(pid), end_fds=fd_count(pid), end_sandboxes=len(owned_sandboxes(pid)),
+                       end_fd_kinds=fd_census(pid))
         driver.stop = True
         driver.gate.set()
         await runner
@@ -408,9 +466,13 @@ def run(duration_s: float, sessions: int, quick: bool = False) -> dict[str, Any]
                 proc.stdout.close()
         for service in (nats, broker):
             service.stop()
-    figures.update(leftovers(owned))
+    found, figures["teardown_s"] = wait_for_teardown(owned)
+    figures.update(found)
     if "end_fds" in figures:
-        figures["leaked_fds"] = figures["end_fds"] - figures["baseline_fds"]
+        # One descriptor per open sandbox (its control socket): the pool's size may differ between
+        # the two points, so what is compared is the descriptors held besides the sandboxes'.
+        figures["leaked_fds"] = ((figures["end_fds"] - figures["end_sandboxes"])
+                                 - (figures["baseline_fds"] - figures["baseline_sandboxes"]))
         figures["rss_growth_fraction"] = (figures["end_rss_mb"] - figures["baseline_rss_mb"]) / figures["baseline_rss_mb"]
         if figures.get("peak_open_episodes"):
             figures["mb_per_open_sandbox"] = figures["peak_sandboxes_rss_mb"] / figures["peak_open_episodes"]
@@ -427,11 +489,15 @@ def table(f: dict[str, Any]) -> str:
         ("p50 / p99 step", f"{f.get('p50_step_ms', float('nan')):.0f} / {f.get('p99_step_ms', float('nan')):.0f} ms"),
         ("RSS baseline -> end", f"{f.get('baseline_rss_mb', 0):.0f} -> {f.get('end_rss_mb', 0):.0f} MB "
                                 f"({f.get('rss_growth_fraction', float('nan')):+.1%}); peak {f.get('peak_rss_mb', 0):.0f} MB"),
-        ("fds baseline -> end", f"{f.get('baseline_fds', 0)} -> {f.get('end_fds', 0)} (leaked {f.get('leaked_fds')})"),
+        ("fds baseline -> end", f"{f.get('baseline_fds', 0)} -> {f.get('end_fds', 0)} with "
+                                f"{f.get('baseline_sandboxes', 0)} -> {f.get('end_sandboxes', 0)} sandboxes open "
+                                f"(leaked {f.get('leaked_fds')})"),
+        ("fd kinds at end", ", ".join(f"{k} {v}" for k, v in f.get("end_fd_kinds", {}).items())),
         ("sandboxes peak open", f"{f.get('peak_open_episodes', 0)} using {f.get('peak_sandboxes_rss_mb', 0):.0f} MB "
                                 f"({f.get('mb_per_open_sandbox', float('nan')):.1f} MB each)"),
         ("left after exit", f"processes {f.get('leaked_processes')}, mounts {f.get('leaked_mounts')}, "
-                            f"cgroups {f.get('leaked_cgroups')}, owner files {f.get('leaked_owner_files')}"),
+                            f"cgroups {f.get('leaked_cgroups')}, owner files {f.get('leaked_owner_files')} "
+                            f"(after {f.get('teardown_s', float('nan')):.1f} s of teardown)"),
         ("sandbox process exit", f"{f.get('exit_code')}"),
     ]
     width = max(len(k) for k, _ in rows)

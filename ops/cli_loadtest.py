@@ -74,5 +74,6 @@ def _soak(args: argparse.Namespace) -> int:
     print(body.table(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
-    leaked = figures["leaked_processes"] + figures["leaked_mounts"] + figures["leaked_cgroups"]
+    leaked = (figures["leaked_processes"] + figures["leaked_mounts"] + figures["leaked_cgroups"]
+              + figures["leaked_owner_files"])
     return 1 if leaked or abs(figures.get("leaked_fds", 0)) > 8 or figures.get("rss_growth_fraction", 0) > 0.05 else 0

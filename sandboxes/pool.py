@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -47,6 +48,8 @@ class PoolStatistics:
     created: int
     resets: int
     reaped: int
+    trimmed: int = 0
+    """Idle sandboxes above the pool's size closed after ``idle_ttl_s`` unused."""
 
 
 class SandboxPool:
@@ -54,7 +57,9 @@ class SandboxPool:
 
     ``acquire()`` hands out an idle sandbox (creating one while fewer than ``max_size`` exist, else
     waiting); leaving it resets the sandbox to pristine before another user can get it. A reaper runs
-    at start and every ``reap_interval_s`` for leftovers of dead processes.
+    at start and every ``reap_interval_s`` for leftovers of dead processes. A burst grows the pool up
+    to ``max_size``; idle sandboxes beyond ``size`` are closed once unused for ``idle_ttl_s`` (the
+    most recently used are handed out first, so the surplus is what goes cold).
     """
 
     def __init__(
@@ -64,25 +69,32 @@ class SandboxPool:
         size: int = 4,
         max_size: int = 64,
         reap_interval_s: float = 60.0,
+        idle_ttl_s: float = 60.0,
     ) -> None:
         if not 0 <= size <= max_size:
             raise ValueError(f"need 0 <= size <= max_size, got size={size} max_size={max_size}")
+        if not idle_ttl_s > 0:
+            raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
         self.backend = backend
         self.limits = limits or Limits()
         self.size = size
         self.max_size = max_size
         self.reap_interval_s = reap_interval_s
+        self.idle_ttl_s = idle_ttl_s
         self._idle: list[Sandbox] = []
+        self._idle_since: dict[Sandbox, float] = {}
         self._all: set[Sandbox] = set()
         self._creating = 0
         self._cond = asyncio.Condition()
         self._reaper: asyncio.Task[None] | None = None
+        self._trimmer: asyncio.Task[None] | None = None
         self._closed = False
-        self._created = self._resets = self._reaped = 0
+        self._created = self._resets = self._reaped = self._trimmed = 0
 
     async def start(self) -> SandboxPool:
         await self.reap()
         self._reaper = asyncio.ensure_future(self._reap_forever())
+        self._trimmer = asyncio.ensure_future(self._trim_forever())
         await asyncio.gather(*(self._add_idle() for _ in range(self.size)))
         return self
 
@@ -97,8 +109,41 @@ class SandboxPool:
         self._all.add(sandbox)
         self._created += 1
         async with self._cond:
-            self._idle.append(sandbox)
+            self._push_idle(sandbox)
             self._cond.notify()
+
+    def _push_idle(self, sandbox: Sandbox) -> None:
+        self._idle.append(sandbox)
+        self._idle_since[sandbox] = time.monotonic()
+
+    async def trim(self, now: float | None = None) -> int:
+        """Close idle sandboxes beyond ``size`` unused for ``idle_ttl_s`` at ``now`` (monotonic); how many."""
+        cutoff = (time.monotonic() if now is None else now) - self.idle_ttl_s
+        async with self._cond:
+            surplus = len(self._idle) - self.size
+            # _idle is a stack (checkout pops the end): the coldest are at the front.
+            cold = [sb for sb in self._idle[:max(0, surplus)] if self._idle_since.get(sb, 0.0) <= cutoff]
+            gone = set(cold)
+            self._idle = [sb for sb in self._idle if sb not in gone]
+            for sandbox in cold:
+                self._idle_since.pop(sandbox, None)
+                self._all.discard(sandbox)
+            if cold:
+                self._cond.notify_all()  # room below max_size for a waiter
+        results = await asyncio.gather(*(s.close() for s in cold), return_exceptions=True)
+        for sandbox, result in zip(cold, results):
+            if isinstance(result, BaseException):
+                log.warning("closing idle sandbox %s failed: %s", sandbox.id, result)
+        self._trimmed += len(cold)
+        return len(cold)
+
+    async def _trim_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.idle_ttl_s / 2, 30.0))
+            try:
+                await self.trim()
+            except Exception:  # like the reaper: a bad pass must not end trimming
+                log.exception("sandbox pool trim failed")
 
     async def reap(self) -> None:
         if self.backend == "bwrap":
@@ -125,7 +170,9 @@ class SandboxPool:
                 if self._closed:
                     raise RuntimeError("pool is closed")
                 if self._idle:
-                    return self._idle.pop()
+                    sandbox = self._idle.pop()
+                    self._idle_since.pop(sandbox, None)
+                    return sandbox
                 if len(self._all) + self._creating < self.max_size:
                     self._creating += 1
                     break
@@ -153,7 +200,7 @@ class SandboxPool:
                 self._all.discard(sandbox)
                 await sandbox.close()
                 return
-            self._idle.append(sandbox)
+            self._push_idle(sandbox)
             self._cond.notify()
 
     @contextlib.asynccontextmanager
@@ -172,6 +219,7 @@ class SandboxPool:
             created=self._created,
             resets=self._resets,
             reaped=self._reaped,
+            trimmed=self._trimmed,
         )
 
     async def close(self) -> None:
@@ -179,11 +227,13 @@ class SandboxPool:
         if self._closed:
             return
         self._closed = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+        for task in (self._reaper, self._trimmer):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         async with self._cond:
             idle, self._idle = self._idle, []
+            self._idle_since.clear()
             self._cond.notify_all()
         for sandbox in idle:
             self._all.discard(sandbox)

@@ -242,3 +242,28 @@ async def test_a_cancelled_exec_does_not_confuse_the_next_one() -> None:
         assert set(sb.cgroups.pids()) <= sb.init_pids  # type: ignore[attr-defined]
         result = await sb.exec("echo next")
         assert (result.stdout, result.exit_code) == ("next\n", 0)
+
+
+@pytest.mark.anyio
+async def test_pool_closes_the_idle_surplus_of_a_burst() -> None:
+    import time
+
+    from sandboxes.bwrap import SANDBOX_ROOT
+
+    limits = Limits(memory_mb=64, pids=16, timeout_s=10)
+    async with SandboxPool("bwrap", limits, size=1, max_size=4, idle_ttl_s=30.0) as pool:
+        burst = [await pool.checkout() for _ in range(4)]  # one pre-warmed, three created
+        for sandbox in burst:
+            await pool.release(sandbox)
+        assert pool.statistics().idle == 4
+        assert await pool.trim() == 0  # just used: not cold yet
+        hot = burst[-1]
+        assert await pool.trim(now=time.monotonic() + 31.0) == 3  # down to `size`
+        stats = pool.statistics()
+        assert (stats.idle, stats.in_use, stats.trimmed) == (1, 0, 3)
+        gone = [sb for sb in burst if sb is not hot]
+        # the last released is the one kept (handed out first); the closed ones left nothing behind
+        assert not [sb.id for sb in gone if (SANDBOX_ROOT / f"{sb.id}.owner").exists()]
+        async with pool.acquire() as sb:
+            assert sb is hot
+            assert (await sb.exec("echo ok")).stdout == "ok\n"
