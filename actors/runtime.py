@@ -86,6 +86,12 @@ class Runtime:
         return self.nats
 
 
+class Released(Exception):
+    """Raised by a handler to give its record back unhandled: it is neither acknowledged nor dead-lettered,
+    so the committed offset stays before it and the next owner of the partition gets it again (a
+    draining actor's handler that has not started real work raises this instead of holding the drain)."""
+
+
 class StreamActor(Actor):
     """Base of the roles that consume Kafka topics. Subclasses set ``topics``/``expect`` and ``handle``."""
 
@@ -105,6 +111,7 @@ class StreamActor(Actor):
         self._deferred: set[int] = set()
         self.handled = 0
         self.handler_errors = 0
+        self.released = 0
 
     def make_consumer(self) -> Consumer:
         return self.rt.consumer(self.role, self.topics, self.expect, max_in_flight=self.concurrency * 4)
@@ -168,6 +175,13 @@ class StreamActor(Actor):
             except self.infra_errors as exc:
                 crash.append(exc)
                 return
+            except Released as exc:
+                self._pending_emits.pop(id(record), None)
+                self._deferred.discard(id(record))
+                self.released += 1
+                log.info("%s: record %s[%d]@%d given back unhandled: %s", self.name, record.topic,
+                         record.partition, record.offset, exc)
+                return
             except Exception as exc:
                 self._pending_emits.pop(id(record), None)
                 self._deferred.discard(id(record))
@@ -190,7 +204,7 @@ class StreamActor(Actor):
 
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()
-        stats.update(handled=self.handled, handler_errors=self.handler_errors)
+        stats.update(handled=self.handled, handler_errors=self.handler_errors, released=self.released)
         if self.consumer is not None:
             stats.update(self.consumer.statistics())
         return stats

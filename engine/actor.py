@@ -102,6 +102,8 @@ class RestartPolicy:
 @dataclasses.dataclass(slots=True)
 class _Slot:
     factory: Callable[[], Actor]
+    drain_after: tuple[str, ...]
+    drain_requested: anyio.Event
     actor: Actor | None = None
     restarts: int = 0
     crash_times: deque[float] = dataclasses.field(default_factory=deque)
@@ -109,7 +111,13 @@ class _Slot:
 
 
 class Supervisor:
-    """Runs actors in one task group; restarts crashed ones; drains all on request."""
+    """Runs actors in one task group; restarts crashed ones; drains all on request.
+
+    An actor added with ``drain_after=(names)`` is asked to drain only once those actors (the ones
+    supervised here) have finished: a role that serves another's in-flight work (the sandbox
+    episodes of the inference actor's multi-turn generations) stays up until that work is done.
+    ``drain_timeout_s`` bounds the whole drain.
+    """
 
     def __init__(self, policy: RestartPolicy | None = None, drain_timeout_s: float = 30.0) -> None:
         self.policy = policy or RestartPolicy()
@@ -118,10 +126,12 @@ class Supervisor:
         self._draining = anyio.Event()
         self._all_done = anyio.Event()
 
-    def add(self, name: str, factory: Callable[[], Actor]) -> None:
+    def add(self, name: str, factory: Callable[[], Actor], *, drain_after: tuple[str, ...] = ()) -> None:
         if name in self._slots:
             raise ValueError(f"an actor named {name!r} is already supervised")
-        self._slots[name] = _Slot(factory=factory)
+        if name in drain_after:
+            raise ValueError(f"actor {name!r} cannot drain after itself")
+        self._slots[name] = _Slot(factory=factory, drain_after=tuple(drain_after), drain_requested=anyio.Event())
 
     @property
     def actors(self) -> dict[str, Actor]:
@@ -141,11 +151,20 @@ class Supervisor:
         return slot is not None and slot.finished
 
     def drain(self) -> None:
-        """Ask every actor to drain; idempotent."""
+        """Ask every actor to drain (those with ``drain_after`` once those have finished); idempotent."""
         self._draining.set()
+        self._request_ready_drains()
+
+    def _request_ready_drains(self) -> None:
+        if not self._draining.is_set():
+            return
         for slot in self._slots.values():
-            if slot.actor is not None:
-                slot.actor.request_drain()
+            if slot.drain_requested.is_set():
+                continue
+            if all(self._slots[d].finished for d in slot.drain_after if d in self._slots):
+                slot.drain_requested.set()
+                if slot.actor is not None:
+                    slot.actor.request_drain()
 
     async def run(self) -> None:
         """Run until every actor has returned (after drain) or one exhausts its restarts."""
@@ -169,6 +188,7 @@ class Supervisor:
         slot.finished = True
         if all(s.finished for s in self._slots.values()):
             self._all_done.set()
+        self._request_ready_drains()  # whoever waited for this one to finish
 
     async def _enforce_drain_timeout(self, scope: anyio.CancelScope) -> None:
         await self._draining.wait()
@@ -180,12 +200,12 @@ class Supervisor:
     async def _keep_running(self, name: str, slot: _Slot) -> None:
         while True:
             slot.actor = slot.factory()
-            if self._draining.is_set():
+            if slot.drain_requested.is_set():
                 slot.actor.request_drain()
             try:
                 await slot.actor.run()
             except Exception as exc:  # a crash: restart within budget, else fail loudly
-                if self._draining.is_set():
+                if slot.drain_requested.is_set():
                     log.warning("actor %s failed while draining: %r", name, exc)
                     self._mark_finished(slot)
                     return
@@ -201,8 +221,8 @@ class Supervisor:
                 log.warning("actor %s crashed (%s: %s); restart %d in %.2fs",
                             name, type(exc).__name__, exc, slot.restarts, delay, exc_info=exc)
                 with anyio.move_on_after(delay):
-                    await self._draining.wait()
-                if self._draining.is_set():
+                    await slot.drain_requested.wait()
+                if slot.drain_requested.is_set():
                     self._mark_finished(slot)
                     return
                 continue

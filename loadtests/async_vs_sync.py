@@ -13,6 +13,11 @@ Headline: ``speedup`` = time the sync run needs to reach the reward the async ru
 async run's time (falls back to the time for the same number of learner steps when the sync run
 never reaches it: ``speedup_steps``).
 
+Beside it, how busy the machine's CPUs were during each run (``/proc/stat``: 1 - idle / total over
+all cores): asynchrony can only fill time a stage would otherwise leave idle, so the same-steps
+speed-up on this machine is bounded by about ``async_cpu_busy / sync_cpu_busy`` (when both runs do
+the same CPU work); a sync run that already keeps every core busy leaves nothing to overlap.
+
     python loadtests/async_vs_sync.py [--quick] [--json out.json] [--steps N] [--staleness S]
 
 With no --bootstrap / --nats (or ROLLOUT_KAFKA_BOOTSTRAP / ROLLOUT_NATS_URL) it starts a private
@@ -41,12 +46,22 @@ from ops.demo import DemoPlan, _quiet_libraries, default_config, warm_start  # n
 from streams.kafka import Consumer  # noqa: E402
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, all cores, from ``/proc/stat``."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
 @dataclasses.dataclass
 class RunResult:
     mode: str
     seconds: float
     steps: int
     samples: int
+    cpu_busy: float
+    """Fraction of the machine's CPU time (all cores) that was busy during the run."""
     # (seconds since start, running mean correctness of the last `window` samples)
     curve: list[tuple[float, float]]
 
@@ -68,7 +83,7 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
         watch = Consumer(cfg.kafka, topics=[d.rt.names.experience], group=f"{cfg.namespace}.bench",
                          expect=("experience",))
         async with watch, anyio.create_task_group() as tg:
-            started = time.monotonic()
+            started, jiffies0 = time.monotonic(), cpu_jiffies()
             tg.start_soon(d.run)
             step, last_step, last_progress = 0, 0, started
             while step < steps and not d.supervisor.finished("learner"):
@@ -89,10 +104,11 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
                     r.ack()
                 learner = d.supervisor.actors.get("learner")
                 step = int(learner.statistics().get("step", 0)) if learner is not None else 0
-            seconds = time.monotonic() - started
-            print(f"  {mode}: {step} steps in {seconds:.1f}s, {samples} samples", flush=True)
+            seconds, jiffies1 = time.monotonic() - started, cpu_jiffies()
+            busy = (jiffies1[0] - jiffies0[0]) / max(1, jiffies1[1] - jiffies0[1])
+            print(f"  {mode}: {step} steps in {seconds:.1f}s, {samples} samples, CPUs {busy:.0%} busy", flush=True)
             d.drain()
-    return RunResult(mode, seconds, step, samples, curve)
+    return RunResult(mode, seconds, step, samples, busy, curve)
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -130,12 +146,14 @@ async def main_async(args: argparse.Namespace) -> dict:
         "sync_time_to_target": None if t_sync is None else round(t_sync, 2),
         "async_time_to_target": None if t_async is None else round(t_async, 2),
         "speedup_steps": round(sync.seconds / asyn.seconds, 3),
+        "cpus": os.cpu_count(), "sync_cpu_busy": round(sync.cpu_busy, 3), "async_cpu_busy": round(asyn.cpu_busy, 3),
     })
     out["speedup"] = round(t_sync / t_async, 3) if t_sync and t_async else out["speedup_steps"]
-    print(f"\n{'run':<8}{'seconds':>9}{'steps':>7}{'samples':>9}{'final reward':>14}{'t(target)':>11}")
+    print(f"\n{'run':<8}{'seconds':>9}{'steps':>7}{'samples':>9}{'final reward':>14}{'t(target)':>11}"
+          f"{'CPUs busy':>11}")
     for r, t in ((sync, t_sync), (asyn, t_async)):
         print(f"{r.mode:<8}{r.seconds:>9.1f}{r.steps:>7}{r.samples:>9}{r.final_reward():>14.3f}"
-              f"{'' if t is None else f'{t:.1f}':>11}")
+              f"{'' if t is None else f'{t:.1f}':>11}{r.cpu_busy:>11.0%}")
     print(f"\nspeedup (time to reward {target:.3f}): {out['speedup']}x; same steps: {out['speedup_steps']}x")
     return out
 

@@ -316,7 +316,7 @@ class Driver:
                     reply = await self._ask(episode, step, "step", command=rng.choice(STEPS))
                     self.steps += 1
                     if reply is not None and reply.exit_code != 0:
-                        self._error("step_exit")
+                        self._error("step_timeout" if reply.timed_out else "step_exit")
                 closed = await self._ask(episode, 99, "close")
                 if closed is not None and not closed.error:
                     self.episodes += 1

@@ -14,29 +14,38 @@ Two stages, chosen with ``--stage``:
 
 The spans that stand for upstream processes (``schedule``, ``generate``) are made before the clock
 starts. The time until all N experiences of a phase are back on ``rollout.experience`` gives
-samples/s. Phases alternate off, on, off, on, ... on the same actors (the tracer provider is switched
-between phases), and each mode keeps its best phase, so a noisy machine hurts both alike. With tracing
-on, every actor records and propagates its spans through the SDK's ``BatchSpanProcessor`` to an
-in-memory exporter (or, with ``--otlp-endpoint``, to a real OTLP/HTTP backend such as
-``ops/infra/jaeger.py``'s).
+samples/s. Phases run on the same actors (the tracer provider is switched between phases) in the
+order off, on, off, on, ..., off: every ``on`` phase is compared with the mean of the two ``off``
+phases around it, which cancels a steady drift of the machine or of the actors' state (with plain
+alternation the ``on`` phase always runs second and takes the drift as overhead), and the headline
+is the median of those ratios. With tracing on, every actor records and propagates its spans through
+the SDK's ``BatchSpanProcessor`` to an in-memory exporter (or, with ``--otlp-endpoint``, to a real
+OTLP/HTTP backend such as ``ops/infra/jaeger.py``'s).
 
     python loadtests/tracing_overhead.py [--stage pipeline|verify-reward] [--quick] [--json out.json]
-                                         [--bootstrap H:P] [--nats URL] [--otlp-endpoint URL]
-                                         [--sample-ratio R]
+                                         [--rounds K] [--aa] [--bootstrap H:P] [--nats URL]
+                                         [--otlp-endpoint URL] [--sample-ratio R]
 
-On 2 cores the pipeline stage takes about 2 minutes with ``--quick`` and about 5 without (phases of 540
-and 1800 samples, three of each mode). ``--sample-ratio`` records
-only that fraction of the rollouts (``parentbased_traceidratio``, the same as
-``OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=R`` in a deployment); the
-context still travels with every record.
+On 2 cores the pipeline stage takes about 2 minutes with ``--quick`` and about 4 without (phases of
+540 and 1800 samples, K=4 ``on`` phases by default). ``--sample-ratio`` records only that fraction of
+the rollouts (``parentbased_traceidratio``, the same as ``OTEL_TRACES_SAMPLER=parentbased_traceidratio
+OTEL_TRACES_SAMPLER_ARG=R`` in a deployment); the context still travels with every record. ``--aa``
+runs the same schedule with tracing off in every phase: the figure it prints is the method's own bias
+and noise on this machine, the floor under which an overhead cannot be told apart.
 
-Headline: ``overhead_fraction`` = 1 - on / off samples/s (best phase of each; target < 0.05). Beside it,
-``cpu_overhead_fraction``: CPU time per sample of the stage's processes, on / off - 1 (least of each),
-which other processes' load disturbs less than wall-clock throughput. The CPU time is this process's
-(every actor, and every span) plus, in the pipeline stage, the inference server child's (read from
-``/proc/<pid>/stat``; it records no spans), also shown on its own. With no --bootstrap (or
-ROLLOUT_KAFKA_BOOTSTRAP) it starts a private broker and nats-server on free ports and stops them at the
-end; with one, the inference actor subscribes to weight updates on --nats (or ROLLOUT_NATS_URL) if given.
+Headline: ``overhead_fraction`` = median over the ``on`` phases of 1 - on / mean(off before, off after)
+samples/s (target < 0.05), with its spread (``overhead_min``, ``overhead_max``). Beside it, CPU time per
+sample, bracketed the same way: ``cpu_overhead_fraction`` of the stage's processes together
+(this one, which holds every actor and every span, plus, in the pipeline stage, the inference server
+child, read from ``/proc/<pid>/stat``), and ``actors_cpu_overhead_fraction`` of this process alone:
+the server records no spans, so its CPU is only noise in the first figure. And, read where it is
+spent rather than inferred from a difference (:class:`TracingClock`): ``attributed_overhead_fraction``,
+the CPU time inside the tracing calls the actors make plus the export thread's, over the rest of the
+phase's CPU time; on a CPU-bound machine throughput falls by about that fraction, and it does not
+carry the phase-to-phase noise of the A/B figures. With no --bootstrap (or
+ROLLOUT_KAFKA_BOOTSTRAP) it starts a private broker and nats-server on free ports and stops them at
+the end; with one, the inference actor subscribes to weight updates on --nats (or ROLLOUT_NATS_URL) if
+given.
 """
 
 from __future__ import annotations
@@ -45,10 +54,13 @@ import abc
 import argparse
 import contextlib
 import dataclasses
+import functools
+import gc
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -57,6 +69,8 @@ from typing import Any, ClassVar
 
 import anyio
 import numpy as np
+import opentelemetry.context as otel_context
+import opentelemetry.sdk.trace as otel_sdk_trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -90,6 +104,29 @@ class Measured:
     seconds: float
     cpu_s: float
     server_cpu_s: float
+    gc_s: float
+    """CPU seconds this process spent in the garbage collector during the phase."""
+
+
+class GcClock:
+    """CPU time spent in Python's garbage collector (``gc.callbacks``), while entered."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.thread_time()
+        else:
+            self.cpu_s += time.thread_time() - self._t0
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +168,80 @@ def cpu_seconds_of(pid: int) -> float:
     """User + system CPU time of process ``pid`` so far (Linux ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+class TracingClock:
+    """CPU time spent in tracing, counted where it is spent: on the actors' thread, inside the calls they
+    make to trace (the SDK's span calls, context attach/detach, this project's ``actors.tracing``
+    helpers; the outermost call only, ``time.thread_time``), plus the span processor's export
+    thread(s) (their own CPU clock). Installed for the ``on`` phases only; its own cost (two clock
+    reads per call) is charged to tracing too.
+
+    The wall-clock A/B comparison says whether tracing costs anything this does not see; this says
+    what the calls it does see cost, without the phase-to-phase noise.
+    """
+
+    SPAN_METHODS = ("end", "set_attribute", "set_attributes", "add_event", "add_link", "set_status",
+                    "record_exception", "update_name")
+    HELPERS = ("record_context", "context_of", "trace_headers", "traceparent_of", "record_attributes",
+               "span_context_of")
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.calls = 0
+        self.by_call: dict[str, list[float]] = {}  # "owner.name" -> [calls, CPU seconds]
+        self._depth = 0
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        clock = self
+        label = f"{getattr(owner, '__name__', owner)}.{name}".rsplit(".", 2)[-2:]
+        entry = self.by_call.setdefault(".".join(label), [0, 0.0])
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if clock._depth:  # a traced call inside another: the outer one counts it
+                return original(*args, **kwargs)
+            clock._depth += 1
+            t0 = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.thread_time() - t0
+                clock.cpu_s += spent
+                clock.calls += 1
+                entry[0] += 1
+                entry[1] += spent
+                clock._depth -= 1
+
+        setattr(owner, name, timed)
+        self._patched.append((owner, name, original))
+
+    def __enter__(self) -> TracingClock:
+        self._wrap(otel_sdk_trace.Tracer, "start_span")
+        for name in self.SPAN_METHODS:
+            self._wrap(otel_sdk_trace.Span, name)
+        for name in ("attach", "detach"):
+            self._wrap(otel_context, name)
+        for name in self.HELPERS:
+            self._wrap(tracing, name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched.clear()
+
+
+def exporter_threads_cpu_s() -> float:
+    """CPU seconds so far of the span processors' export threads in this process."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("OtelBatch") and thread.ident is not None:
+            with contextlib.suppress(OSError, ProcessLookupError):
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
 
 
 class Stage(abc.ABC):
@@ -189,16 +300,29 @@ class Stage(abc.ABC):
         return rows
 
     async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None) -> dict[str, Any]:
+        traced = mode == "on"  # the --aa run labels phases "on" that trace nothing ("on-aa")
         exporter = InMemorySpanExporter() if otlp_endpoint is None else None
-        shutdown = setup_tracing(TelemetryConfig(tracing=mode == "on", otlp_endpoint=otlp_endpoint),
+        shutdown = setup_tracing(TelemetryConfig(tracing=traced, otlp_endpoint=otlp_endpoint),
                                  "rollout-loadtest", exporter=exporter)
+        clock = TracingClock()
         try:
-            m = await self._phase(rt, f"{mode}-{uuid.uuid4().hex[:6]}", samples, traced=mode == "on")
+            exporter0 = exporter_threads_cpu_s()
+            with clock if traced else contextlib.nullcontext():
+                m = await self._phase(rt, f"{mode}-{uuid.uuid4().hex[:6]}", samples, traced=traced)
+            exporter_cpu = exporter_threads_cpu_s() - exporter0
         finally:
             shutdown()  # flushes: the batch exporter works beside the pipeline, as in a daemon
         spans = len(exporter.get_finished_spans()) if exporter is not None else None
-        return {"mode": mode, "samples": m.samples, "seconds": m.seconds, "samples_per_s": m.samples / m.seconds,
+        return {"mode": mode.removesuffix("-aa"), "samples": m.samples, "seconds": m.seconds, "samples_per_s": m.samples / m.seconds,
                 "cpu_ms_per_sample": 1000 * (m.cpu_s + m.server_cpu_s) / m.samples,
+                "actors_cpu_ms_per_sample": 1000 * m.cpu_s / m.samples,
+                "gc_ms_per_sample": 1000 * m.gc_s / m.samples,
+                "tracing_calls_ms_per_sample": 1000 * clock.cpu_s / m.samples,
+                "export_thread_ms_per_sample": 1000 * exporter_cpu / m.samples,
+                "traced_calls_per_sample": clock.calls / m.samples,
+                # call -> [calls per sample, CPU microseconds per sample]
+                "tracing_by_call": {k: [round(c / m.samples, 2), round(1e6 * t / m.samples, 1)]
+                                    for k, (c, t) in sorted(clock.by_call.items(), key=lambda kv: -kv[1][1]) if c},
                 "server_cpu_ms_per_sample": 1000 * m.server_cpu_s / m.samples, "spans": spans}
 
     async def _phase(self, rt: Runtime, prefix: str, samples: int, traced: bool) -> Measured:
@@ -210,14 +334,16 @@ class Stage(abc.ABC):
         sends = self.sends(rt.names, prefix, samples, traced)
         n = sum(s.samples for s in sends)
         self.seen[prefix] = 0
-        t0, cpu0, server0 = time.perf_counter(), time.process_time(), self.server_cpu_seconds()
-        for s in sends:
-            await rt.producer.wait_room()
-            rt.producer.send_nowait(s.topic, s.message, key=s.key, headers=s.headers)
-        with anyio.fail_after(300):
-            while self.seen[prefix] < n:
-                await anyio.sleep(0.005)
-        return Measured(n, time.perf_counter() - t0, time.process_time() - cpu0, self.server_cpu_seconds() - server0)
+        with GcClock() as gc_clock:
+            t0, cpu0, server0 = time.perf_counter(), time.process_time(), self.server_cpu_seconds()
+            for s in sends:
+                await rt.producer.wait_room()
+                rt.producer.send_nowait(s.topic, s.message, key=s.key, headers=s.headers)
+            with anyio.fail_after(300):
+                while self.seen[prefix] < n:
+                    await anyio.sleep(0.005)
+            return Measured(n, time.perf_counter() - t0, time.process_time() - cpu0,
+                            self.server_cpu_seconds() - server0, gc_clock.cpu_s)
 
     async def _count(self, results: Consumer) -> None:
         while True:
@@ -233,7 +359,7 @@ class VerifyRewardStage(Stage):
 
     name = "verify-reward"
     phase_samples = (1000, 4000)
-    warmup_samples = 16
+    warmup_samples = 200
 
     async def start_actors(self, rt: Runtime, stack: contextlib.AsyncExitStack) -> list[Actor]:
         return [VerifyActor(rt, SandboxResources(self.cfg.sandbox)), RewardActor(rt)]
@@ -252,7 +378,7 @@ class PipelineStage(Stage):
 
     name = "pipeline"
     phase_samples = (540, 1800)
-    warmup_samples = 27
+    warmup_samples = 360  # the first phases of a fresh server and pool run slower
 
     def __init__(self, bootstrap: str, nats_url: str | None) -> None:
         super().__init__(bootstrap, nats_url)
@@ -300,11 +426,27 @@ def _infra(bootstrap: str | None, nats_url: str | None) -> Iterator[tuple[str, s
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'phase':<8}{'mode':<6}{'samples':>9}{'seconds':>10}{'samples/s':>12}{'cpu ms/sample':>15}"
-          f"{'of it server':>14}{'spans':>8}")
+          f"{'of it actors':>14}{'in tracing':>12}{'in gc':>8}{'spans':>8}")
     for i, r in enumerate(rows):
         spans = "-" if r["spans"] is None else str(r["spans"])
+        traced = r["tracing_calls_ms_per_sample"] + r["export_thread_ms_per_sample"]
         print(f"{i:<8}{r['mode']:<6}{r['samples']:>9}{r['seconds']:>10.2f}{r['samples_per_s']:>12.1f}"
-              f"{r['cpu_ms_per_sample']:>15.3f}{r['server_cpu_ms_per_sample']:>14.3f}{spans:>8}")
+              f"{r['cpu_ms_per_sample']:>15.3f}{r['actors_cpu_ms_per_sample']:>14.3f}{traced:>12.3f}"
+              f"{r['gc_ms_per_sample']:>8.3f}{spans:>8}")
+
+
+def bracketed(rows: list[dict[str, Any]], key: str, higher_is_better: bool) -> list[float]:
+    """Per ``on`` phase: its overhead in ``key`` against the mean of the ``off`` phases either side.
+
+    ``rows`` alternate off, on, off, ..., off. Throughput: 1 - on / off; a cost (CPU per sample):
+    on / off - 1. Either way a positive figure means tracing costs that fraction.
+    """
+    out = []
+    for i in range(1, len(rows) - 1, 2):
+        assert rows[i]["mode"] == "on" and rows[i - 1]["mode"] == rows[i + 1]["mode"] == "off", rows
+        off = (rows[i - 1][key] + rows[i + 1][key]) / 2
+        out.append(1 - rows[i][key] / off if higher_is_better else rows[i][key] / off - 1)
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -313,31 +455,64 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["OTEL_TRACES_SAMPLER_ARG"] = str(args.sample_ratio)
     stage_type = STAGES[args.stage]
     samples = stage_type.phase_samples[0 if args.quick else 1]
-    rounds = 3
-    phases = [(mode, samples) for _ in range(rounds) for mode in ("off", "on")]
+    on = "on-aa" if args.aa else "on"
+    phases = [(mode, samples) for _ in range(args.rounds) for mode in ("off", on)] + [("off", samples)]
     with _infra(args.bootstrap, args.nats) as (bootstrap, nats_url):
         rows = await stage_type(bootstrap, nats_url).run_phases(phases, args.otlp_endpoint)
     _print_table(rows)
-    best = {m: max(r["samples_per_s"] for r in rows if r["mode"] == m) for m in ("off", "on")}
-    cpu = {m: min(r["cpu_ms_per_sample"] for r in rows if r["mode"] == m) for m in ("off", "on")}
+    throughput = bracketed(rows, "samples_per_s", higher_is_better=True)
+    cpu = bracketed(rows, "cpu_ms_per_sample", higher_is_better=False)
+    actors_cpu = bracketed(rows, "actors_cpu_ms_per_sample", higher_is_better=False)
     on_rows = [r for r in rows if r["mode"] == "on" and r["spans"] is not None]
+    # Attributed: the CPU measured inside tracing, against what the same phase spent on everything else
+    # (on a CPU-bound machine, throughput falls by about this fraction).
+    attributed = [(r["tracing_calls_ms_per_sample"] + r["export_thread_ms_per_sample"])
+                  / (r["cpu_ms_per_sample"] - r["tracing_calls_ms_per_sample"] - r["export_thread_ms_per_sample"])
+                  for r in rows if r["mode"] == "on"]
     out: dict[str, Any] = {
         "stage": args.stage,
+        "aa_calibration": bool(args.aa),
         "samples_per_phase": rows[0]["samples"],
-        "rounds": rounds,
+        "rounds": args.rounds,
         "exporter": "otlp" if args.otlp_endpoint else "in_memory",
         "sample_ratio": 1.0 if args.sample_ratio is None else args.sample_ratio,
-        "off_samples_per_s": round(best["off"], 1),
-        "on_samples_per_s": round(best["on"], 1),
-        "overhead_fraction": round(1 - best["on"] / best["off"], 4),
-        "off_cpu_ms_per_sample": round(cpu["off"], 4),
-        "on_cpu_ms_per_sample": round(cpu["on"], 4),
-        "cpu_overhead_fraction": round(cpu["on"] / cpu["off"] - 1, 4),
+        "off_samples_per_s": round(float(np.median([r["samples_per_s"] for r in rows if r["mode"] == "off"])), 1),
+        "on_samples_per_s": round(float(np.median([r["samples_per_s"] for r in rows if r["mode"] == "on"])), 1),
+        "overhead_fraction": round(float(np.median(throughput)), 4),
+        "overhead_min": round(min(throughput), 4),
+        "overhead_max": round(max(throughput), 4),
+        "cpu_overhead_fraction": round(float(np.median(cpu)), 4),
+        "actors_cpu_overhead_fraction": round(float(np.median(actors_cpu)), 4),
+        "actors_cpu_overhead_min": round(min(actors_cpu), 4),
+        "actors_cpu_overhead_max": round(max(actors_cpu), 4),
+        "attributed_overhead_fraction": round(float(np.median(attributed)), 4),
+        "attributed_overhead_max": round(max(attributed), 4),
+        "tracing_calls_ms_per_sample": round(float(np.median(
+            [r["tracing_calls_ms_per_sample"] for r in rows if r["mode"] == "on"])), 4),
+        "export_thread_ms_per_sample": round(float(np.median(
+            [r["export_thread_ms_per_sample"] for r in rows if r["mode"] == "on"])), 4),
+        "traced_calls_per_sample": round(float(np.median(
+            [r["traced_calls_per_sample"] for r in rows if r["mode"] == "on"])), 2),
+        "off_cpu_ms_per_sample": round(float(np.median([r["cpu_ms_per_sample"] for r in rows if r["mode"] == "off"])), 4),
+        "off_gc_ms_per_sample": round(float(np.median([r["gc_ms_per_sample"] for r in rows if r["mode"] == "off"])), 4),
+        "on_gc_ms_per_sample": round(float(np.median([r["gc_ms_per_sample"] for r in rows if r["mode"] == "on"])), 4),
+        "off_actors_cpu_ms_per_sample": round(float(np.median(
+            [r["actors_cpu_ms_per_sample"] for r in rows if r["mode"] == "off"])), 4),
         # max: a span that ends just after its phase's last experience is sent misses that phase's exporter
-        "spans_per_sample": round(max(r["spans"] / r["samples"] for r in on_rows), 2) if on_rows else None,
+        "spans_per_sample": round(max(r["spans"] / r["samples"] for r in on_rows), 2) if on_rows and not args.aa else None,
     }
-    print("\nheadline:", {k: out[k] for k in ("stage", "off_samples_per_s", "on_samples_per_s", "overhead_fraction",
-                                            "cpu_overhead_fraction")})
+    print(f"\n{'on vs its neighbours':<22}{'median':>9}{'min':>9}{'max':>9}")
+    for name, values in (("throughput overhead", throughput), ("CPU/sample overhead", cpu),
+                         ("actors CPU/sample", actors_cpu), ("CPU in tracing", attributed)):
+        print(f"{name:<22}{np.median(values):>+9.3f}{min(values):>+9.3f}{max(values):>+9.3f}")
+    last_on = [r for r in rows if r["mode"] == "on"][-1]
+    if last_on["tracing_by_call"]:
+        print(f"\n{'where tracing CPU goes (last on phase)':<40}{'calls/sample':>13}{'us/sample':>11}")
+        for call, (calls, us) in last_on["tracing_by_call"].items():
+            print(f"{call:<40}{calls:>13.2f}{us:>11.1f}")
+    out["tracing_by_call"] = last_on["tracing_by_call"]
+    print("\nheadline:", {k: out[k] for k in ("stage", "aa_calibration", "overhead_fraction", "cpu_overhead_fraction",
+                                            "actors_cpu_overhead_fraction", "attributed_overhead_fraction")})
     return out
 
 
@@ -352,7 +527,12 @@ def main() -> None:
                    help="with --bootstrap: the NATS server of the inference actor's weight subscription")
     p.add_argument("--otlp-endpoint", help="export to this OTLP/HTTP backend instead of memory")
     p.add_argument("--sample-ratio", type=float, help="record this fraction of the rollouts (default: all)")
+    p.add_argument("--rounds", type=int, default=4, help="on phases, each between two off phases (default 4)")
+    p.add_argument("--aa", action="store_true",
+                   help="calibration: trace nothing in the 'on' phases too; prints the method's bias and noise")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     out = anyio.run(main_async, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

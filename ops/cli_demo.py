@@ -12,7 +12,7 @@ import os
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a TOML deployment config instead of the demo's built-in one")
     parser.add_argument("--run-dir", default="runs/demo", help="model, checkpoints, logs, results (default: runs/demo)")
-    parser.add_argument("--steps", type=int, default=40, help="learner steps of the RL run (default: 40)")
+    parser.add_argument("--steps", type=int, default=60, help="learner steps of the RL run (default: 60)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, tasks and held-out sets")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny warm start, 3 steps, small held-out sets")
     parser.add_argument("--bootstrap", default=os.environ.get("ROLLOUT_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),

@@ -46,7 +46,7 @@ class DemoPlan:
     sft_examples: int = 3000
     sft_steps: int = 300
     sft_lr: float = 3e-3
-    steps: int = 40
+    steps: int = 60
     heldout: dict[str, int] = dataclasses.field(default_factory=lambda: {"arith": 64, "code": 32, "terminal": 32})
 
 

@@ -93,7 +93,10 @@ class Deployment:
 
             resources = await enter(sandbox_resources(self.cfg.sandbox))
             for name, factory in build_sandbox_actors(rt, resources):
-                add(name, factory)
+                # the inference actor's multi-turn episodes need their sandbox until they end: when both
+                # run here, episodes drain after inference has (no in-flight step waits for a reply
+                # that a drained episode actor will never send)
+                add(name, factory, drain_after=("inference",) if name == "sandbox.episodes" else ())
 
         if "inference" in self.roles:
             from transformers import AutoTokenizer

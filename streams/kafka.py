@@ -32,7 +32,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewPartitions, NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
-from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, RebalanceInProgressError, TopicAlreadyExistsError
 from kafka.net import inet as _kafka_inet
 from kafka.net.compat import KafkaNetClient
 from kafka.net.selector import NetworkSelector as _KafkaNetworkSelector
@@ -505,6 +505,7 @@ class Consumer:
         self.dead_lettered = 0
         self.delivered = 0
         self.commits = 0
+        self.commits_deferred = 0
         self.assigned: set[tuple[str, int]] = set()
 
     async def start(self) -> "Consumer":
@@ -642,7 +643,7 @@ class Consumer:
 
     def statistics(self) -> dict[str, Any]:
         return {"delivered": self.delivered, "dead_lettered": self.dead_lettered, "commits": self.commits,
-                "in_flight": self._tracker.in_flight(), "assigned": len(self.assigned), "paused": self._paused}
+                "commits_deferred": self.commits_deferred, "in_flight": self._tracker.in_flight(), "assigned": len(self.assigned), "paused": self._paused}
 
     async def lag(self) -> dict[tuple[str, int], int]:
         """Per-partition lag (end offset minus committed) of this member's assignment."""
@@ -713,7 +714,14 @@ class Consumer:
             offsets = {p: o for p, o in self._tracker.committable().items() if p in self.assigned}
         if not offsets:
             return {}
-        consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()})
+        try:
+            consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()})
+        except RebalanceInProgressError:
+            # The group is rebalancing: nothing was committed. The offsets stay pending and go with the
+            # next commit (or, for partitions this member loses, with the commit on revoke).
+            self.commits_deferred += 1
+            log.info("%s: commit deferred, the group is rebalancing", self.group)
+            return {}
         with self._tracker_lock:
             self._tracker.mark_committed(offsets)
         self.commits += 1

@@ -31,7 +31,7 @@ from opentelemetry.trace import SpanKind
 
 from actors import tracing
 from actors.inference.sglang_client import GenerateResult, SGLangClient, SGLangError
-from actors.runtime import INFRA_ERRORS, Runtime, StreamActor
+from actors.runtime import INFRA_ERRORS, Released, Runtime, StreamActor
 from engine.schemas import EPISODES_FULL, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
 from streams.kafka import Consumer, Record
 from streams.weights import WeightSubscriber
@@ -225,8 +225,20 @@ class InferenceActor(StreamActor):
         if self.rt.nats is None or self.weight_version >= wanted:
             return
         with anyio.move_on_after(self.rt.cfg.inference.weight_sync_timeout_s):
-            while self.weight_version < wanted:
-                await self._version_applied.wait()
+            async with anyio.create_task_group() as tg:
+                async def give_back_on_drain() -> None:
+                    await self.wait_drain_requested()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(give_back_on_drain)
+                while self.weight_version < wanted:
+                    await self._version_applied.wait()
+                tg.cancel_scope.cancel()
+        if self.weight_version < wanted and self.draining:
+            # nothing generated yet: hand the task back rather than hold the drain for weights that
+            # may never come (the learner may be gone); the next owner of the partition generates it
+            raise Released(f"draining while task {task.task_id} waited for weights v{wanted} "
+                           f"(have v{self.weight_version})")
         if self.weight_version < wanted:
             log.warning("%s: task %s admitted at version %d; weights still at %d after %.0fs, generating anyway",
                         self.name, task.task_id, task.admitted_version, self.weight_version,
@@ -300,6 +312,7 @@ class InferenceActor(StreamActor):
         assert self.client is not None
         mine: list[int] = []  # tokens this call produced, across resumed attempts
         attempt = 0
+        chunk_headers = tracing.trace_headers()  # the sample's span: the same for all its chunks
         while True:
             epoch = self._update_epoch
             params = dict(sampling, max_new_tokens=budget - len(mine))
@@ -322,7 +335,7 @@ class InferenceActor(StreamActor):
                     self.emit(record, self.rt.names.tokens, TokenChunk(
                         sample_id=sample.sample_id, task_id=task.task_id, seq=sample.chunks,
                         token_ids=np.asarray(new_ids, np.int32), logprobs=np.asarray(lps, np.float32),
-                        weight_version=vers[-1]), key=sample.sample_id, headers=tracing.trace_headers())
+                        weight_version=vers[-1]), key=sample.sample_id, headers=chunk_headers)
                     sample.chunks += 1
                     self.tokens_out += len(new_ids)
                     seen = len(chunk.output_ids)

@@ -140,3 +140,51 @@ async def test_a_task_admitted_at_a_newer_version_waits_for_those_weights(
     held = [completions["next/0"], completions["next/1"]]
     assert all(set(c.weight_versions.tolist()) == {1} for c in held)  # not one token from the old weights
     assert all(set(completions[f"now/{i}"].weight_versions.tolist()) == {0} for i in range(2))
+
+
+async def test_a_draining_actor_gives_back_a_task_still_waiting_for_weights(
+        kafka_bootstrap, nats_url, unique_name, tmp_path):
+    """Draining does not wait for weights that may never come: the held task goes back unacknowledged
+    and the next actor of the group generates it, with the weights it was admitted for."""
+    model_dir = write_tiny_model_dir(tmp_path / "model", seed=0)
+    _, tokenizer = load_model_dir(model_dir)
+    cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1),
+                       nats=NatsConfig(url=nats_url), scheduler=SchedulerConfig(group_size=2),
+                       inference=InferenceConfig(concurrency=8, temperature=1.0, weight_sync_timeout_s=3600))
+    async with LocalServer(model_dir, log_path=tmp_path / "server.log") as url, Runtime(cfg) as rt:
+        names = rt.names
+        for task_id, version in (("now", 0), ("next", 1)):
+            await rt.producer.send(names.tasks, Task(
+                task_id=task_id, domain="arith", prompt="1+2=", spec={"answer": "3"}, group_size=2,
+                sampling={"max_new_tokens": 8, "ignore_eos": True}, admitted_version=version), key=task_id)
+        completions: dict[str, Completion] = {}
+        watch = Consumer(cfg.kafka, topics=[names.completions], group=f"{unique_name}.watch", expect=("completion",))
+
+        async def until(n: int) -> None:
+            with anyio.fail_after(120):
+                while len(completions) < n:
+                    for r in await watch.getmany(timeout_s=0.2):
+                        completions[r.message.sample_id] = r.message
+                        r.ack()
+
+        async with watch:
+            # a drain timeout far beyond the test's deadline: only giving the task back ends this drain
+            first = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=3600)
+            first.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w1"))
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(first.run)
+                    await until(2)  # "now" done; "next" held for version 1, which nobody publishes
+                    stats = first.actors["inference"].statistics()
+                    first.drain()
+            assert stats["handled"] == 1 and set(completions) == {"now/0", "now/1"}
+            assert first.actors["inference"].statistics()["released"] == 1
+
+            await WeightPublisher(rt.require_nats(), names).publish(1, _perturbed_copy(model_dir, tmp_path / "v1"))
+            second = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
+            second.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w2"))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(second.run)
+                await until(4)
+                second.drain()
+    assert all(set(completions[f"next/{i}"].weight_versions.tolist()) == {1} for i in range(2))

@@ -88,3 +88,43 @@ async def test_drain_is_idempotent_and_an_actor_can_finish_on_its_own():
     with anyio.fail_after(5):
         await sup.run()
     assert sup.finished("once") and not sup.finished("unknown")
+
+
+async def test_an_actor_drains_after_the_ones_whose_work_it_serves():
+    """The client still needs the server while it drains: the server is asked to drain only once the
+    client has finished (without ``drain_after`` the client's last request would never be answered)."""
+    log: list[str] = []
+    send, receive = anyio.create_memory_object_stream[tuple[str, anyio.Event]](8)
+
+    class Server(Actor):
+        async def serve(self):
+            async with anyio.create_task_group() as tg:
+                async def answer() -> None:
+                    async for _, done in receive:
+                        done.set()
+
+                tg.start_soon(answer)
+                await self.wait_drain_requested()
+                log.append("server draining")
+                tg.cancel_scope.cancel()
+
+    class Client(Actor):
+        async def serve(self):
+            await self.wait_drain_requested()
+            log.append("client draining")
+            done = anyio.Event()
+            await send.send(("last step", done))  # in-flight work that needs the server
+            await done.wait()
+            log.append("client done")
+
+    sup = Supervisor(FAST, drain_timeout_s=3600)
+    sup.add("server", Server, drain_after=("client", "not-here"))  # absent names are not waited for
+    sup.add("client", Client)
+    with anyio.fail_after(30):
+        async with send, receive, anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            await anyio.sleep(0)
+            sup.drain()
+    assert log == ["client draining", "client done", "server draining"]
+    with pytest.raises(ValueError, match="after itself"):
+        sup.add("loop", Server, drain_after=("loop",))
