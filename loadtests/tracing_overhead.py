@@ -307,8 +307,8 @@ class Stage(abc.ABC):
         clock = TracingClock()
         try:
             exporter0 = exporter_threads_cpu_s()
-            with clock if traced else contextlib.nullcontext():
-                m = await self._phase(rt, f"{mode}-{uuid.uuid4().hex[:6]}", samples, traced=traced)
+            m = await self._phase(rt, f"{mode}-{uuid.uuid4().hex[:6]}", samples, traced=traced,
+                                  clock=clock if traced else None)
             exporter_cpu = exporter_threads_cpu_s() - exporter0
         finally:
             shutdown()  # flushes: the batch exporter works beside the pipeline, as in a daemon
@@ -325,7 +325,8 @@ class Stage(abc.ABC):
                                     for k, (c, t) in sorted(clock.by_call.items(), key=lambda kv: -kv[1][1]) if c},
                 "server_cpu_ms_per_sample": 1000 * m.server_cpu_s / m.samples, "spans": spans}
 
-    async def _phase(self, rt: Runtime, prefix: str, samples: int, traced: bool) -> Measured:
+    async def _phase(self, rt: Runtime, prefix: str, samples: int, traced: bool,
+                     clock: TracingClock | None = None) -> Measured:
         """Publish about ``samples`` samples' worth of records under ``prefix``; measured until all their
         experiences are back.
 
@@ -334,7 +335,7 @@ class Stage(abc.ABC):
         sends = self.sends(rt.names, prefix, samples, traced)
         n = sum(s.samples for s in sends)
         self.seen[prefix] = 0
-        with GcClock() as gc_clock:
+        with GcClock() as gc_clock, clock if clock is not None else contextlib.nullcontext():
             t0, cpu0, server0 = time.perf_counter(), time.process_time(), self.server_cpu_seconds()
             for s in sends:
                 await rt.producer.wait_room()
