@@ -57,10 +57,6 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def _socket_kinds(pid: int) -> dict[str, str]:
     """Socket inode -> ``unix`` / ``tcp`` / ``udp`` / ``netlink``, from the process's /proc/net tables."""
     kinds = {}
@@ -395,16 +391,18 @@ async def _drive(kafka: KafkaConfig, names: Names, driver: Driver, proc: subproc
         driver.gate.set()
         await watch(t0 + warmup_s)
         await driver.quiesce()
-        figures.update(baseline_rss_mb=rss_mb(pid), baseline_fds=fd_count(pid),
-                       baseline_sandboxes=len(owned_sandboxes(pid)), baseline_fd_kinds=fd_census(pid))
+        kinds = fd_census(pid)
+        figures.update(baseline_rss_mb=rss_mb(pid), baseline_fds=sum(kinds.values()),
+                       baseline_sandboxes=len(owned_sandboxes(pid)), baseline_fd_kinds=kinds)
         start_counts = (driver.episodes, driver.steps, driver.verifications)
         t1 = time.monotonic()
         driver.gate.set()
         await watch(t1 + duration_s)
         await driver.quiesce()
         measured_s = time.monotonic() - t1
-        figures.update(end_rss_mb=rss_mb(pid), end_fds=fd_count(pid), end_sandboxes=len(owned_sandboxes(pid)),
-                       end_fd_kinds=fd_census(pid))
+        kinds = fd_census(pid)
+        figures.update(end_rss_mb=rss_mb(pid), end_fds=sum(kinds.values()), end_sandboxes=len(owned_sandboxes(pid)),
+                       end_fd_kinds=kinds)
         driver.stop = True
         driver.gate.set()
         await runner

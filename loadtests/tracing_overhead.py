@@ -319,6 +319,7 @@ class Stage(abc.ABC):
                 "gc_ms_per_sample": 1000 * m.gc_s / m.samples,
                 "tracing_calls_ms_per_sample": 1000 * clock.cpu_s / m.samples,
                 "export_thread_ms_per_sample": 1000 * exporter_cpu / m.samples,
+                "in_tracing_ms_per_sample": 1000 * (clock.cpu_s + exporter_cpu) / m.samples,
                 "traced_calls_per_sample": clock.calls / m.samples,
                 # call -> [calls per sample, CPU microseconds per sample]
                 "tracing_by_call": {k: [round(c / m.samples, 2), round(1e6 * t / m.samples, 1)]
@@ -430,9 +431,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
           f"{'of it actors':>14}{'in tracing':>12}{'in gc':>8}{'spans':>8}")
     for i, r in enumerate(rows):
         spans = "-" if r["spans"] is None else str(r["spans"])
-        traced = r["tracing_calls_ms_per_sample"] + r["export_thread_ms_per_sample"]
         print(f"{i:<8}{r['mode']:<6}{r['samples']:>9}{r['seconds']:>10.2f}{r['samples_per_s']:>12.1f}"
-              f"{r['cpu_ms_per_sample']:>15.3f}{r['actors_cpu_ms_per_sample']:>14.3f}{traced:>12.3f}"
+              f"{r['cpu_ms_per_sample']:>15.3f}{r['actors_cpu_ms_per_sample']:>14.3f}{r['in_tracing_ms_per_sample']:>12.3f}"
               f"{r['gc_ms_per_sample']:>8.3f}{spans:>8}")
 
 
@@ -448,6 +448,11 @@ def bracketed(rows: list[dict[str, Any]], key: str, higher_is_better: bool) -> l
         off = (rows[i - 1][key] + rows[i + 1][key]) / 2
         out.append(1 - rows[i][key] / off if higher_is_better else rows[i][key] / off - 1)
     return out
+
+
+def median_of(rows: list[dict[str, Any]], mode: str, key: str, digits: int = 4) -> float:
+    """The median of ``key`` over the ``mode`` phases, rounded."""
+    return round(float(np.median([r[key] for r in rows if r["mode"] == mode])), digits)
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -467,8 +472,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     on_rows = [r for r in rows if r["mode"] == "on" and r["spans"] is not None]
     # Attributed: the CPU measured inside tracing, against what the same phase spent on everything else
     # (on a CPU-bound machine, throughput falls by about this fraction).
-    attributed = [(r["tracing_calls_ms_per_sample"] + r["export_thread_ms_per_sample"])
-                  / (r["cpu_ms_per_sample"] - r["tracing_calls_ms_per_sample"] - r["export_thread_ms_per_sample"])
+    attributed = [r["in_tracing_ms_per_sample"] / (r["cpu_ms_per_sample"] - r["in_tracing_ms_per_sample"])
                   for r in rows if r["mode"] == "on"]
     out: dict[str, Any] = {
         "stage": args.stage,
@@ -477,8 +481,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "exporter": "otlp" if args.otlp_endpoint else "in_memory",
         "sample_ratio": 1.0 if args.sample_ratio is None else args.sample_ratio,
-        "off_samples_per_s": round(float(np.median([r["samples_per_s"] for r in rows if r["mode"] == "off"])), 1),
-        "on_samples_per_s": round(float(np.median([r["samples_per_s"] for r in rows if r["mode"] == "on"])), 1),
+        "off_samples_per_s": median_of(rows, "off", "samples_per_s", 1),
+        "on_samples_per_s": median_of(rows, "on", "samples_per_s", 1),
         "overhead_fraction": round(float(np.median(throughput)), 4),
         "overhead_min": round(min(throughput), 4),
         "overhead_max": round(max(throughput), 4),
@@ -488,17 +492,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "actors_cpu_overhead_max": round(max(actors_cpu), 4),
         "attributed_overhead_fraction": round(float(np.median(attributed)), 4),
         "attributed_overhead_max": round(max(attributed), 4),
-        "tracing_calls_ms_per_sample": round(float(np.median(
-            [r["tracing_calls_ms_per_sample"] for r in rows if r["mode"] == "on"])), 4),
-        "export_thread_ms_per_sample": round(float(np.median(
-            [r["export_thread_ms_per_sample"] for r in rows if r["mode"] == "on"])), 4),
-        "traced_calls_per_sample": round(float(np.median(
-            [r["traced_calls_per_sample"] for r in rows if r["mode"] == "on"])), 2),
-        "off_cpu_ms_per_sample": round(float(np.median([r["cpu_ms_per_sample"] for r in rows if r["mode"] == "off"])), 4),
-        "off_gc_ms_per_sample": round(float(np.median([r["gc_ms_per_sample"] for r in rows if r["mode"] == "off"])), 4),
-        "on_gc_ms_per_sample": round(float(np.median([r["gc_ms_per_sample"] for r in rows if r["mode"] == "on"])), 4),
-        "off_actors_cpu_ms_per_sample": round(float(np.median(
-            [r["actors_cpu_ms_per_sample"] for r in rows if r["mode"] == "off"])), 4),
+        "tracing_calls_ms_per_sample": median_of(rows, "on", "tracing_calls_ms_per_sample"),
+        "export_thread_ms_per_sample": median_of(rows, "on", "export_thread_ms_per_sample"),
+        "traced_calls_per_sample": median_of(rows, "on", "traced_calls_per_sample", 2),
+        "off_cpu_ms_per_sample": median_of(rows, "off", "cpu_ms_per_sample"),
+        "off_gc_ms_per_sample": median_of(rows, "off", "gc_ms_per_sample"),
+        "on_gc_ms_per_sample": median_of(rows, "on", "gc_ms_per_sample"),
+        "off_actors_cpu_ms_per_sample": median_of(rows, "off", "actors_cpu_ms_per_sample"),
         # max: a span that ends just after its phase's last experience is sent misses that phase's exporter
         "spans_per_sample": round(max(r["spans"] / r["samples"] for r in on_rows), 2) if on_rows and not args.aa else None,
     }

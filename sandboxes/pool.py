@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from sandboxes.base import Sandbox
@@ -81,20 +82,19 @@ class SandboxPool:
         self.max_size = max_size
         self.reap_interval_s = reap_interval_s
         self.idle_ttl_s = idle_ttl_s
-        self._idle: list[Sandbox] = []
-        self._idle_since: dict[Sandbox, float] = {}
+        # idle sandbox -> when it became idle; insertion order is age, so the end is the warmest
+        self._idle: dict[Sandbox, float] = {}
         self._all: set[Sandbox] = set()
         self._creating = 0
         self._cond = asyncio.Condition()
-        self._reaper: asyncio.Task[None] | None = None
-        self._trimmer: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []  # the reaper and the trimmer
         self._closed = False
         self._created = self._resets = self._reaped = self._trimmed = 0
 
     async def start(self) -> SandboxPool:
         await self.reap()
-        self._reaper = asyncio.ensure_future(self._reap_forever())
-        self._trimmer = asyncio.ensure_future(self._trim_forever())
+        self._tasks = [asyncio.ensure_future(self._every(self.reap_interval_s, self.reap, "reaper pass")),
+                       asyncio.ensure_future(self._every(min(self.idle_ttl_s / 2, 30.0), self.trim, "trim"))]
         await asyncio.gather(*(self._add_idle() for _ in range(self.size)))
         return self
 
@@ -113,20 +113,17 @@ class SandboxPool:
             self._cond.notify()
 
     def _push_idle(self, sandbox: Sandbox) -> None:
-        self._idle.append(sandbox)
-        self._idle_since[sandbox] = time.monotonic()
+        self._idle[sandbox] = time.monotonic()
 
     async def trim(self, now: float | None = None) -> int:
         """Close idle sandboxes beyond ``size`` unused for ``idle_ttl_s`` at ``now`` (monotonic); how many."""
         cutoff = (time.monotonic() if now is None else now) - self.idle_ttl_s
         async with self._cond:
             surplus = len(self._idle) - self.size
-            # _idle is a stack (checkout pops the end): the coldest are at the front.
-            cold = [sb for sb in self._idle[:max(0, surplus)] if self._idle_since.get(sb, 0.0) <= cutoff]
-            gone = set(cold)
-            self._idle = [sb for sb in self._idle if sb not in gone]
+            # checkout takes the most recently idle: the coldest are at the front
+            cold = [sb for sb, since in itertools.islice(self._idle.items(), max(0, surplus)) if since <= cutoff]
             for sandbox in cold:
-                self._idle_since.pop(sandbox, None)
+                del self._idle[sandbox]
                 self._all.discard(sandbox)
             if cold:
                 self._cond.notify_all()  # room below max_size for a waiter
@@ -136,14 +133,6 @@ class SandboxPool:
                 log.warning("closing idle sandbox %s failed: %s", sandbox.id, result)
         self._trimmed += len(cold)
         return len(cold)
-
-    async def _trim_forever(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.idle_ttl_s / 2, 30.0))
-            try:
-                await self.trim()
-            except Exception:  # like the reaper: a bad pass must not end trimming
-                log.exception("sandbox pool trim failed")
 
     async def reap(self) -> None:
         if self.backend == "bwrap":
@@ -155,13 +144,14 @@ class SandboxPool:
 
             self._reaped += await reap_containers()
 
-    async def _reap_forever(self) -> None:
+    @staticmethod
+    async def _every(interval_s: float, action: Callable[[], Awaitable[object]], what: str) -> None:
         while True:
-            await asyncio.sleep(self.reap_interval_s)
+            await asyncio.sleep(interval_s)
             try:
-                await self.reap()
-            except Exception:  # the reaper must outlive a bad pass; the next one retries
-                log.exception("sandbox reaper pass failed")
+                await action()
+            except Exception:  # a bad pass must not end the loop; the next one retries
+                log.exception("sandbox pool %s failed", what)
 
     async def checkout(self) -> Sandbox:
         """An idle sandbox (or a new one below max_size), waiting for one otherwise; see :meth:`release`."""
@@ -170,8 +160,7 @@ class SandboxPool:
                 if self._closed:
                     raise RuntimeError("pool is closed")
                 if self._idle:
-                    sandbox = self._idle.pop()
-                    self._idle_since.pop(sandbox, None)
+                    sandbox, _ = self._idle.popitem()  # the most recently idle (LIFO)
                     return sandbox
                 if len(self._all) + self._creating < self.max_size:
                     self._creating += 1
@@ -227,13 +216,11 @@ class SandboxPool:
         if self._closed:
             return
         self._closed = True
-        for task in (self._reaper, self._trimmer):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         async with self._cond:
-            idle, self._idle = self._idle, []
-            self._idle_since.clear()
+            idle, self._idle = list(self._idle), {}
             self._cond.notify_all()
         for sandbox in idle:
             self._all.discard(sandbox)

@@ -643,7 +643,8 @@ class Consumer:
 
     def statistics(self) -> dict[str, Any]:
         return {"delivered": self.delivered, "dead_lettered": self.dead_lettered, "commits": self.commits,
-                "commits_deferred": self.commits_deferred, "in_flight": self._tracker.in_flight(), "assigned": len(self.assigned), "paused": self._paused}
+                "commits_deferred": self.commits_deferred, "in_flight": self._tracker.in_flight(),
+                "assigned": len(self.assigned), "paused": self._paused}
 
     async def lag(self) -> dict[tuple[str, int], int]:
         """Per-partition lag (end offset minus committed) of this member's assignment."""
