@@ -15,7 +15,7 @@ CPU in minutes. Every completion is one line per turn and ends with ``stop`` (a 
 inference server cuts generations there.
 
 Held-out split: a prompt belongs to the held-out split iff a stable hash of it falls in the held-out
-bucket (``HELDOUT_BUCKETS`` of ``HASH_BUCKETS``); training tasks are drawn by rejection from the other
+buckets (``HELDOUT_BUCKETS`` of ``HASH_BUCKETS``); training tasks are drawn by rejection from the other
 buckets. The two splits therefore never share a prompt, whatever the seeds. Held-out sets are drawn from
 seed streams disjoint from any training stream (see :func:`split_rng`).
 
@@ -42,7 +42,10 @@ RewardFn = Callable[[Facts, str], float]
 FormatFn = Callable[[str], float]
 
 HASH_BUCKETS = 10
-HELDOUT_BUCKETS = 1
+HELDOUT_BUCKETS = 3
+"""Held-out share of every domain's prompt space, in buckets of ``HASH_BUCKETS`` (30%): enough distinct
+held-out prompts at the easiest level (arith 34, code 26, terminal 51) for an accuracy to mean something."""
+HELDOUT_DRAWS_PER_TASK = 50
 MAX_REJECTIONS = 1000
 STOP = "\n"
 
@@ -101,9 +104,20 @@ class Domain:
         return task.prompt, task.ideal
 
     def heldout(self, n: int, *, seed: int = 0, difficulty: float = 0.0) -> list[tuple[str, Spec]]:
-        """``n`` held-out tasks (deterministic for a seed; repeats possible when the space is small)."""
+        """Up to ``n`` held-out tasks with distinct prompts (deterministic for a seed).
+
+        Fewer when the domain's held-out space at this difficulty is smaller: drawing stops after
+        ``HELDOUT_DRAWS_PER_TASK * n`` draws. A repeated prompt would only weigh that prompt more, so an
+        accuracy over these is one over distinct tasks.
+        """
         rng = split_rng(seed, "heldout")
-        return [(t.prompt, t.spec) for t in (self._draw(rng, difficulty, "heldout") for _ in range(n))]
+        out: dict[str, Spec] = {}
+        for _ in range(HELDOUT_DRAWS_PER_TASK * n):
+            if len(out) >= n:
+                break
+            task = self._draw(rng, difficulty, "heldout")
+            out.setdefault(task.prompt, task.spec)
+        return list(out.items())
 
     def turns(self, spec: Spec) -> int:
         """Turn budget of one task."""
@@ -175,7 +189,7 @@ def make_code(rng: random.Random, difficulty: float) -> GeneratedTask:
     """``"# write f: add 3\\n"`` -> ``"def f(x): return x+3"``; tests call ``f`` on a few inputs."""
     templates = [t for t in _CODE_TEMPLATES if t[0] <= difficulty]
     _, describe, body, reference = rng.choice(templates)
-    k = rng.randint(1, 9 if difficulty < 0.5 else 20)
+    k = rng.randint(1, 29 if difficulty < 0.5 else 99)
     xs = rng.sample(range(-5 if difficulty >= 0.5 else 0, 12), CODE_TEST_INPUTS)
     tests = [{"name": f"f({x})", "code": f"from solution import f\nassert f({x}) == {reference(x, k)}\n"}
              for x in xs]

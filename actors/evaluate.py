@@ -1,4 +1,9 @@
-"""Held-out evaluation: greedy generations on a domain's held-out tasks, judged by its verifier.
+"""Held-out evaluation: generations on a domain's held-out tasks, judged by its verifier.
+
+Greedy by default (one generation per task). With ``samples=k`` and a ``temperature`` each task is
+answered k times by sampling (seeds fixed by the evaluation's seed, the task and the sample), and the
+accuracy is the mean over all of them: the expected accuracy of the sampling policy, which is what RL
+optimises, measured on prompts it never trained on.
 
 Runs against any SGLang-protocol server (the local backend in the demo) and real sandboxes; it does
 not go through Kafka, so it measures the policy, not the pipeline. Multi-turn domains are played
@@ -26,12 +31,16 @@ class DomainScore:
     accuracy: float
     """Mean correctness (answer right / fraction of tests or checks passed)."""
     solved: float
-    """Fraction of tasks fully solved."""
+    """Fraction of tasks fully solved (of all generations, when sampled)."""
+    samples: int = 1
+    """Generations per task."""
 
 
 async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain: str, pool: SandboxPool,
-                max_new_tokens: int) -> tuple[str, dict[str, Any]]:
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "stop": ["\n"]}
+                max_new_tokens: int, temperature: float = 0.0, sampling_seed: int | None = None) -> tuple[str, dict[str, Any]]:
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop": ["\n"]}
+    if temperature > 0 and sampling_seed is not None:
+        params["sampling_seed"] = sampling_seed
     verifier = DOMAINS[domain].verifier
     if DOMAINS[domain].turns(spec) <= 1:
         result = await client.generate(text=prompt, sampling_params=params, return_logprob=False)
@@ -44,6 +53,8 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
             result = await client.generate(text=context, sampling_params=params, return_logprob=False)
             command = result.text.strip()
             commands.append(command)
+            if "sampling_seed" in params:  # the next turn draws differently
+                params["sampling_seed"] += 1 << 40
             if not command or command in ("exit", "done"):
                 break
             observation = await episode.step(command)
@@ -54,23 +65,30 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
 
 
 async def evaluate(url: str, domains: dict[str, int], *, seed: int = 0, difficulty: float = 0.0,
-                   max_new_tokens: int = 32, concurrency: int = 16) -> dict[str, DomainScore]:
-    """Accuracy per domain on ``domains[name]`` held-out tasks each."""
+                   max_new_tokens: int = 32, concurrency: int = 16, samples: int = 1,
+                   temperature: float = 0.0) -> dict[str, DomainScore]:
+    """Accuracy per domain on (up to) ``domains[name]`` held-out tasks each, ``samples`` generations per task."""
+    if samples < 1:
+        raise ValueError(f"samples must be at least 1, got {samples}")
+    if samples > 1 and temperature <= 0:
+        raise ValueError(f"samples={samples} needs a temperature > 0 (greedy generations would all be the same)")
     out: dict[str, DomainScore] = {}
     limiter = anyio.Semaphore(concurrency)
     async with SGLangClient([url], timeout=120) as client, SandboxPool("bwrap", size=4, max_size=concurrency) as pool:
         for domain, n in domains.items():
             tasks = DOMAINS[domain].heldout(n, seed=seed, difficulty=difficulty)
-            correct: list[float] = [0.0] * len(tasks)
+            correct: list[float] = [0.0] * (len(tasks) * samples)
 
-            async def one(i: int, prompt: str, spec: dict[str, Any]) -> None:
+            async def one(i: int, j: int, prompt: str, spec: dict[str, Any]) -> None:
                 async with limiter:
-                    text, facts = await _play(client, prompt, spec, domain, pool, max_new_tokens)
-                correct[i] = score(domain, facts, text).correctness
+                    text, facts = await _play(client, prompt, spec, domain, pool, max_new_tokens, temperature,
+                                              sampling_seed=seed * 1_000_000_000 + i * samples + j)
+                correct[i * samples + j] = score(domain, facts, text).correctness
 
             async with anyio.create_task_group() as tg:
                 for i, (prompt, spec) in enumerate(tasks):
-                    tg.start_soon(one, i, prompt, spec)
-            out[domain] = DomainScore(domain, len(tasks), sum(correct) / max(1, len(tasks)),
-                                      sum(c >= 1.0 for c in correct) / max(1, len(tasks)))
+                    for j in range(samples):
+                        tg.start_soon(one, i, j, prompt, spec)
+            out[domain] = DomainScore(domain, len(tasks), sum(correct) / max(1, len(correct)),
+                                      sum(c >= 1.0 for c in correct) / max(1, len(correct)), samples)
     return out

@@ -204,6 +204,9 @@ class SupervisionConfig(Section):
     """Largest restart delay."""
     drain_timeout_s: float = Field(30.0, gt=0)
     """How long SIGTERM waits for in-flight work before cancelling."""
+    gc_freeze: bool = True
+    """Once started, move the start-up heap out of the cyclic garbage collector's reach (``gc.freeze``,
+    see engine/process.py): full collections then walk only what the daemon allocated since."""
 
 
 class EngineConfig(Section):

@@ -19,7 +19,7 @@ order off, on, off, on, ..., off: every ``on`` phase is compared with the mean o
 phases around it, which cancels a steady drift of the machine or of the actors' state (with plain
 alternation the ``on`` phase always runs second and takes the drift as overhead), and the headline
 is the median of those ratios. With tracing on, every actor records and propagates its spans through
-the SDK's ``BatchSpanProcessor`` to an in-memory exporter (or, with ``--otlp-endpoint``, to a real
+the SDK's ``BatchSpanProcessor`` to an exporter that counts and drops them (or, with ``--otlp-endpoint``, to a real
 OTLP/HTTP backend such as ``ops/infra/jaeger.py``'s).
 
     python loadtests/tracing_overhead.py [--stage pipeline|verify-reward] [--quick] [--json out.json]
@@ -72,7 +72,7 @@ import numpy as np
 import opentelemetry.context as otel_context
 import opentelemetry.sdk.trace as otel_sdk_trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -85,7 +85,8 @@ from actors.runtime import Runtime  # noqa: E402
 from actors.sandbox import SandboxResources, VerifyActor  # noqa: E402
 from engine.actor import Actor  # noqa: E402
 from engine.config import (EngineConfig, InferenceConfig, KafkaConfig, NatsConfig, RewardConfig,  # noqa: E402
-                           SandboxConfig, SchedulerConfig, TelemetryConfig)
+                           SandboxConfig, SchedulerConfig, SupervisionConfig, TelemetryConfig)
+from engine.process import freeze_startup_heap  # noqa: E402
 from engine.schemas import Completion, Experience, Message, Task  # noqa: E402
 from engine.topics import Names  # noqa: E402
 from ops.telemetry import setup_tracing  # noqa: E402
@@ -106,6 +107,21 @@ class Measured:
     server_cpu_s: float
     gc_s: float
     """CPU seconds this process spent in the garbage collector during the phase."""
+
+
+class CountingExporter(SpanExporter):
+    """Counts the spans exported to it and drops them, as a daemon's exporter hands them off (an
+    in-memory exporter would keep every span alive, and the garbage collector would walk them all)."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans: Any) -> SpanExportResult:
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
 
 
 class GcClock:
@@ -252,14 +268,15 @@ class Stage(abc.ABC):
     phase_samples: ClassVar[tuple[int, int]]  # samples per phase: (--quick, full)
     warmup_samples: ClassVar[int]
 
-    def __init__(self, bootstrap: str, nats_url: str | None) -> None:
+    def __init__(self, bootstrap: str, nats_url: str | None, gc_freeze: bool = True) -> None:
         self.cfg = EngineConfig(namespace=f"tracing-overhead-{uuid.uuid4().hex[:8]}",
                                 kafka=KafkaConfig(bootstrap=bootstrap, default_partitions=4),
                                 nats=NatsConfig(url=nats_url) if nats_url else NatsConfig(),
                                 scheduler=SchedulerConfig(group_size=3),  # the tasks' mean group
                                 inference=InferenceConfig(concurrency=CONCURRENCY),
                                 sandbox=SandboxConfig(pool_size=0, max_sandboxes=64),
-                                reward=RewardConfig(drop_zero_variance=False, group_timeout_s=120))
+                                reward=RewardConfig(drop_zero_variance=False, group_timeout_s=120),
+                                supervision=SupervisionConfig(gc_freeze=gc_freeze))
         self.use_nats = False
         self.seen: dict[str, int] = {}
 
@@ -289,6 +306,8 @@ class Stage(abc.ABC):
                         tg.start_soon(actor.run)
                     tg.start_soon(self._count, results)
                     await self._phase(rt, "warmup", self.warmup_samples, traced=False)  # joins, first fetches
+                    if self.cfg.supervision.gc_freeze:  # as a Deployment does once it has started
+                        freeze_startup_heap()
                     for mode, samples in phases:
                         rows.append(await self._run_mode(rt, mode, samples, otlp_endpoint))
                     for actor in actors:
@@ -301,7 +320,7 @@ class Stage(abc.ABC):
 
     async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None) -> dict[str, Any]:
         traced = mode == "on"  # the --aa run labels phases "on" that trace nothing ("on-aa")
-        exporter = InMemorySpanExporter() if otlp_endpoint is None else None
+        exporter = CountingExporter() if otlp_endpoint is None else None
         shutdown = setup_tracing(TelemetryConfig(tracing=traced, otlp_endpoint=otlp_endpoint),
                                  "rollout-loadtest", exporter=exporter)
         clock = TracingClock()
@@ -312,7 +331,7 @@ class Stage(abc.ABC):
             exporter_cpu = exporter_threads_cpu_s() - exporter0
         finally:
             shutdown()  # flushes: the batch exporter works beside the pipeline, as in a daemon
-        spans = len(exporter.get_finished_spans()) if exporter is not None else None
+        spans = exporter.spans if exporter is not None else None
         return {"mode": mode.removesuffix("-aa"), "samples": m.samples, "seconds": m.seconds, "samples_per_s": m.samples / m.seconds,
                 "cpu_ms_per_sample": 1000 * (m.cpu_s + m.server_cpu_s) / m.samples,
                 "actors_cpu_ms_per_sample": 1000 * m.cpu_s / m.samples,
@@ -382,8 +401,8 @@ class PipelineStage(Stage):
     phase_samples = (540, 1800)
     warmup_samples = 360  # the first phases of a fresh server and pool run slower
 
-    def __init__(self, bootstrap: str, nats_url: str | None) -> None:
-        super().__init__(bootstrap, nats_url)
+    def __init__(self, bootstrap: str, nats_url: str | None, gc_freeze: bool = True) -> None:
+        super().__init__(bootstrap, nats_url, gc_freeze)
         self.use_nats = nats_url is not None  # the inference actor's weight subscription
         self.server_pid: int | None = None
 
@@ -450,6 +469,14 @@ def bracketed(rows: list[dict[str, Any]], key: str, higher_is_better: bool) -> l
     return out
 
 
+def _ci95(values: list[float]) -> list[float] | None:
+    """Mean +- 1.96 standard errors, or None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    mean, half = float(np.mean(values)), 1.96 * float(np.std(values, ddof=1)) / len(values) ** 0.5
+    return [round(mean - half, 4), round(mean + half, 4)]
+
+
 def median_of(rows: list[dict[str, Any]], mode: str, key: str, digits: int = 4) -> float:
     """The median of ``key`` over the ``mode`` phases, rounded."""
     return round(float(np.median([r[key] for r in rows if r["mode"] == mode])), digits)
@@ -460,11 +487,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
         os.environ["OTEL_TRACES_SAMPLER_ARG"] = str(args.sample_ratio)
     stage_type = STAGES[args.stage]
-    samples = stage_type.phase_samples[0 if args.quick else 1]
+    samples = args.phase_samples or stage_type.phase_samples[0 if args.quick else 1]
     on = "on-aa" if args.aa else "on"
     phases = [(mode, samples) for _ in range(args.rounds) for mode in ("off", on)] + [("off", samples)]
     with _infra(args.bootstrap, args.nats) as (bootstrap, nats_url):
-        rows = await stage_type(bootstrap, nats_url).run_phases(phases, args.otlp_endpoint)
+        rows = await stage_type(bootstrap, nats_url, gc_freeze=not args.no_gc_freeze).run_phases(phases, args.otlp_endpoint)
     _print_table(rows)
     throughput = bracketed(rows, "samples_per_s", higher_is_better=True)
     cpu = bracketed(rows, "cpu_ms_per_sample", higher_is_better=False)
@@ -479,13 +506,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "aa_calibration": bool(args.aa),
         "samples_per_phase": rows[0]["samples"],
         "rounds": args.rounds,
-        "exporter": "otlp" if args.otlp_endpoint else "in_memory",
+        "exporter": "otlp" if args.otlp_endpoint else "counting",
         "sample_ratio": 1.0 if args.sample_ratio is None else args.sample_ratio,
+        "gc_freeze": not args.no_gc_freeze,
         "off_samples_per_s": median_of(rows, "off", "samples_per_s", 1),
         "on_samples_per_s": median_of(rows, "on", "samples_per_s", 1),
         "overhead_fraction": round(float(np.median(throughput)), 4),
         "overhead_min": round(min(throughput), 4),
         "overhead_max": round(max(throughput), 4),
+        "overhead_mean": round(float(np.mean(throughput)), 4),
+        # the mean's 95% interval (normal approximation over the on phases; None with one round)
+        "overhead_ci95": _ci95(throughput),
         "cpu_overhead_fraction": round(float(np.median(cpu)), 4),
         "actors_cpu_overhead_fraction": round(float(np.median(actors_cpu)), 4),
         "actors_cpu_overhead_min": round(min(actors_cpu), 4),
@@ -502,10 +533,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         # max: a span that ends just after its phase's last experience is sent misses that phase's exporter
         "spans_per_sample": round(max(r["spans"] / r["samples"] for r in on_rows), 2) if on_rows and not args.aa else None,
     }
-    print(f"\n{'on vs its neighbours':<22}{'median':>9}{'min':>9}{'max':>9}")
+    print(f"\n{'on vs its neighbours':<22}{'median':>9}{'min':>9}{'max':>9}{'mean':>9}{'95% CI of mean':>20}")
     for name, values in (("throughput overhead", throughput), ("CPU/sample overhead", cpu),
                          ("actors CPU/sample", actors_cpu), ("CPU in tracing", attributed)):
-        print(f"{name:<22}{np.median(values):>+9.3f}{min(values):>+9.3f}{max(values):>+9.3f}")
+        ci = _ci95(values)
+        shown = "-" if ci is None else f"{ci[0]:+.3f}..{ci[1]:+.3f}"
+        print(f"{name:<22}{np.median(values):>+9.3f}{min(values):>+9.3f}{max(values):>+9.3f}{np.mean(values):>+9.3f}"
+              f"{shown:>20}")
     last_on = [r for r in rows if r["mode"] == "on"][-1]
     if last_on["tracing_by_call"]:
         print(f"\n{'where tracing CPU goes (last on phase)':<40}{'calls/sample':>13}{'us/sample':>11}")
@@ -528,12 +562,19 @@ def main() -> None:
                    help="with --bootstrap: the NATS server of the inference actor's weight subscription")
     p.add_argument("--otlp-endpoint", help="export to this OTLP/HTTP backend instead of memory")
     p.add_argument("--sample-ratio", type=float, help="record this fraction of the rollouts (default: all)")
+    p.add_argument("--phase-samples", type=int,
+                   help="samples per phase (default: the stage's; shorter phases, more rounds: the machine's "
+                        "slow spells fall on both sides of more comparisons)")
     p.add_argument("--rounds", type=int, default=4, help="on phases, each between two off phases (default 4)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the start-up heap in the garbage collector's reach (supervision.gc_freeze = false)")
     p.add_argument("--aa", action="store_true",
                    help="calibration: trace nothing in the 'on' phases too; prints the method's bias and noise")
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.phase_samples is not None and args.phase_samples < 60:
+        p.error(f"--phase-samples must be >= 60, got {args.phase_samples}")
     out = anyio.run(main_async, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -14,6 +14,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default="runs/demo", help="model, checkpoints, logs, results (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=60, help="learner steps of the RL run (default: 60)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, tasks and held-out sets")
+    parser.add_argument("--sft-steps", type=int, help="optimizer steps of the supervised warm start (default: the plan's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny warm start, 3 steps, small held-out sets")
     parser.add_argument("--bootstrap", default=os.environ.get("ROLLOUT_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
                         help="Kafka bootstrap servers (default: $ROLLOUT_KAFKA_BOOTSTRAP or 127.0.0.1:9092)")

@@ -32,6 +32,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--torch-threads", type=int, default=0, help="torch intra-op threads; 0 keeps torch's default (default: 0)"
     )
+    serve.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                       help="leave the loaded heap in the garbage collector's reach (default: frozen once loaded)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     serve.set_defaults(func=_serve)
 
@@ -55,6 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         seed=args.seed,
         weight_version=args.weight_version,
+        gc_freeze=args.gc_freeze,
     )
 
     def announce(host: str, port: int) -> None:

@@ -146,6 +146,10 @@ class Deployment:
                                            extra_routes=lambda app: dashboard_routes(app, self.recorder)))
         self.http.registry.register(LagCollector(self.heartbeater, self.supervisor))
         log.info("deployment %s: roles %s; http %s", self.cfg.namespace, self.roles, self.http.url)
+        if self.cfg.supervision.gc_freeze:
+            from engine.process import freeze_startup_heap
+
+            freeze_startup_heap()
 
     def _setup_tracing(self) -> None:
         """Install this process's span exporter (if ``telemetry.tracing``); flushed when the deployment closes."""

@@ -41,6 +41,17 @@ def test_heldout_split_is_disjoint_from_training(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(DOMAINS))
+def test_heldout_prompts_are_distinct_and_capped_by_the_space(name: str) -> None:
+    domain = DOMAINS[name]
+    small = domain.heldout(5, seed=1)
+    assert len(small) == 5 and len({p for p, _ in small}) == 5
+    everything = domain.heldout(10_000, seed=1)  # more than the easiest level's held-out space holds
+    prompts = [p for p, _ in everything]
+    assert len(prompts) == len(set(prompts)) < 10_000
+    assert set(p for p, _ in small) <= set(prompts)
+
+
+@pytest.mark.parametrize("name", sorted(DOMAINS))
 def test_demonstration_matches_the_generated_task(name: str) -> None:
     domain = DOMAINS[name]
     for seed in range(5):

@@ -51,6 +51,9 @@ class ServerConfig:
     chunk_size: int = 512
     seed: int = 0
     weight_version: str = "default"
+    gc_freeze: bool = False
+    """Once the model is loaded, freeze the heap out of the cyclic collector's reach (``engine.process``);
+    ``rollout inference serve`` sets it: the server is then its own process."""
 
 
 class _State:
@@ -420,6 +423,10 @@ async def _load_engine(state: _State) -> None:
     await engine.start()
     state.engine = engine
     log.info("model loaded from %s", state.model_dir)
+    if config.gc_freeze:
+        from engine.process import freeze_startup_heap
+
+        freeze_startup_heap()
 
 
 def build_app(config: ServerConfig) -> web.Application:
