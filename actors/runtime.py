@@ -129,10 +129,16 @@ class StreamActor(Actor):
         raise NotImplementedError
 
     def emit(self, record: Record, topic: str, message: Message, *, key: str | None = None,
-             partition: int | None = None, headers: dict[str, str] | None = None) -> str:
-        """Produce ``message`` as an effect of ``record``; the record is acked after it is. Returns its id."""
+             partition: int | None = None, headers: dict[str, str] | None = None, trace: bool = True) -> str:
+        """Produce ``message`` as an effect of ``record``; the record is acked after it is. Returns its id.
+
+        The record's ``traceparent`` goes with it unless ``headers`` name another one, or ``trace`` is
+        false (no trace context at all: records a consumer can tie to a traced one by a key).
+        """
         hdrs = dict(headers or {})
-        if record.traceparent and "traceparent" not in hdrs:
+        if not trace:
+            hdrs.pop("traceparent", None)
+        elif record.traceparent and "traceparent" not in hdrs:
             hdrs["traceparent"] = record.traceparent
         fut, mid = self.rt.producer.send_nowait(topic, message, key=key, partition=partition, headers=hdrs)
         self._pending_emits.setdefault(id(record), []).append(fut)

@@ -25,6 +25,7 @@ OTLP/HTTP backend such as ``ops/infra/jaeger.py``'s).
     python loadtests/tracing_overhead.py [--stage pipeline|verify-reward] [--quick] [--json out.json]
                                          [--rounds K] [--aa] [--bootstrap H:P] [--nats URL]
                                          [--otlp-endpoint URL] [--sample-ratio R]
+                                         [--phase-samples N] [--clock-phases C] [--no-gc-freeze]
 
 On 2 cores the pipeline stage takes about 2 minutes with ``--quick`` and about 4 without (phases of
 540 and 1800 samples, K=4 ``on`` phases by default). ``--sample-ratio`` records only that fraction of
@@ -42,7 +43,9 @@ the server records no spans, so its CPU is only noise in the first figure. And, 
 spent rather than inferred from a difference (:class:`TracingClock`): ``attributed_overhead_fraction``,
 the CPU time inside the tracing calls the actors make plus the export thread's, over the rest of the
 phase's CPU time; on a CPU-bound machine throughput falls by about that fraction, and it does not
-carry the phase-to-phase noise of the A/B figures. With no --bootstrap (or
+carry the phase-to-phase noise of the A/B figures. The clock runs in ``--clock-phases`` extra traced
+phases after the A/B schedule (default 3), never in the A/B ``on`` phases: its own cost (two CPU-clock
+reads and a wrapper per traced call, about 0.4% of the pipeline's CPU) would be charged to tracing there. With no --bootstrap (or
 ROLLOUT_KAFKA_BOOTSTRAP) it starts a private broker and nats-server on free ports and stops them at
 the end; with one, the inference actor subscribes to weight updates on --nats (or ROLLOUT_NATS_URL) if
 given.
@@ -190,8 +193,8 @@ class TracingClock:
     """CPU time spent in tracing, counted where it is spent: on the actors' thread, inside the calls they
     make to trace (the SDK's span calls, context attach/detach, this project's ``actors.tracing``
     helpers; the outermost call only, ``time.thread_time``), plus the span processor's export
-    thread(s) (their own CPU clock). Installed for the ``on`` phases only; its own cost (two clock
-    reads per call) is charged to tracing too.
+    thread(s) (their own CPU clock). Installed for the clock phases only (not the A/B ``on`` phases,
+    whose throughput it would slow); its own cost (two clock reads per call) is charged to tracing.
 
     The wall-clock A/B comparison says whether tracing costs anything this does not see; this says
     what the calls it does see cost, without the phase-to-phase noise.
@@ -319,7 +322,7 @@ class Stage(abc.ABC):
         return rows
 
     async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None) -> dict[str, Any]:
-        traced = mode == "on"  # the --aa run labels phases "on" that trace nothing ("on-aa")
+        traced = mode in ("on", "clock")  # the --aa run labels phases "on" that trace nothing ("on-aa")
         exporter = CountingExporter() if otlp_endpoint is None else None
         shutdown = setup_tracing(TelemetryConfig(tracing=traced, otlp_endpoint=otlp_endpoint),
                                  "rollout-loadtest", exporter=exporter)
@@ -327,7 +330,7 @@ class Stage(abc.ABC):
         try:
             exporter0 = exporter_threads_cpu_s()
             m = await self._phase(rt, f"{mode}-{uuid.uuid4().hex[:6]}", samples, traced=traced,
-                                  clock=clock if traced else None)
+                                  clock=clock if mode == "clock" else None)
             exporter_cpu = exporter_threads_cpu_s() - exporter0
         finally:
             shutdown()  # flushes: the batch exporter works beside the pipeline, as in a daemon
@@ -490,17 +493,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     samples = args.phase_samples or stage_type.phase_samples[0 if args.quick else 1]
     on = "on-aa" if args.aa else "on"
     phases = [(mode, samples) for _ in range(args.rounds) for mode in ("off", on)] + [("off", samples)]
+    phases += [("clock", samples)] * (0 if args.aa else args.clock_phases)
     with _infra(args.bootstrap, args.nats) as (bootstrap, nats_url):
-        rows = await stage_type(bootstrap, nats_url, gc_freeze=not args.no_gc_freeze).run_phases(phases, args.otlp_endpoint)
-    _print_table(rows)
+        all_rows = await stage_type(bootstrap, nats_url, gc_freeze=not args.no_gc_freeze).run_phases(phases, args.otlp_endpoint)
+    _print_table(all_rows)
+    rows = [r for r in all_rows if r["mode"] != "clock"]  # the A/B schedule: off, on, ..., off
+    clock_rows = [r for r in all_rows if r["mode"] == "clock"]
     throughput = bracketed(rows, "samples_per_s", higher_is_better=True)
     cpu = bracketed(rows, "cpu_ms_per_sample", higher_is_better=False)
     actors_cpu = bracketed(rows, "actors_cpu_ms_per_sample", higher_is_better=False)
     on_rows = [r for r in rows if r["mode"] == "on" and r["spans"] is not None]
     # Attributed: the CPU measured inside tracing, against what the same phase spent on everything else
-    # (on a CPU-bound machine, throughput falls by about this fraction).
+    # (on a CPU-bound machine, throughput falls by about this fraction). Only the clock phases measure it.
     attributed = [r["in_tracing_ms_per_sample"] / (r["cpu_ms_per_sample"] - r["in_tracing_ms_per_sample"])
-                  for r in rows if r["mode"] == "on"]
+                  for r in clock_rows] or [0.0]
     out: dict[str, Any] = {
         "stage": args.stage,
         "aa_calibration": bool(args.aa),
@@ -523,9 +529,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "actors_cpu_overhead_max": round(max(actors_cpu), 4),
         "attributed_overhead_fraction": round(float(np.median(attributed)), 4),
         "attributed_overhead_max": round(max(attributed), 4),
-        "tracing_calls_ms_per_sample": median_of(rows, "on", "tracing_calls_ms_per_sample"),
-        "export_thread_ms_per_sample": median_of(rows, "on", "export_thread_ms_per_sample"),
-        "traced_calls_per_sample": median_of(rows, "on", "traced_calls_per_sample", 2),
+        "clock_phases": len(clock_rows),
+        "tracing_calls_ms_per_sample": median_of(clock_rows, "clock", "tracing_calls_ms_per_sample") if clock_rows else 0.0,
+        "export_thread_ms_per_sample": median_of(clock_rows, "clock", "export_thread_ms_per_sample") if clock_rows else 0.0,
+        "traced_calls_per_sample": median_of(clock_rows, "clock", "traced_calls_per_sample", 2) if clock_rows else 0.0,
         "off_cpu_ms_per_sample": median_of(rows, "off", "cpu_ms_per_sample"),
         "off_gc_ms_per_sample": median_of(rows, "off", "gc_ms_per_sample"),
         "on_gc_ms_per_sample": median_of(rows, "on", "gc_ms_per_sample"),
@@ -540,12 +547,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         shown = "-" if ci is None else f"{ci[0]:+.3f}..{ci[1]:+.3f}"
         print(f"{name:<22}{np.median(values):>+9.3f}{min(values):>+9.3f}{max(values):>+9.3f}{np.mean(values):>+9.3f}"
               f"{shown:>20}")
-    last_on = [r for r in rows if r["mode"] == "on"][-1]
-    if last_on["tracing_by_call"]:
-        print(f"\n{'where tracing CPU goes (last on phase)':<40}{'calls/sample':>13}{'us/sample':>11}")
-        for call, (calls, us) in last_on["tracing_by_call"].items():
-            print(f"{call:<40}{calls:>13.2f}{us:>11.1f}")
-    out["tracing_by_call"] = last_on["tracing_by_call"]
+    out["tracing_by_call"] = clock_rows[-1]["tracing_by_call"] if clock_rows else {}
+    if out["tracing_by_call"]:
+        print(f"\n{'where tracing CPU goes (last clock phase)':<42}{'calls/sample':>13}{'us/sample':>11}")
+        for call, (calls, us) in out["tracing_by_call"].items():
+            print(f"{call:<42}{calls:>13.2f}{us:>11.1f}")
     print("\nheadline:", {k: out[k] for k in ("stage", "aa_calibration", "overhead_fraction", "cpu_overhead_fraction",
                                             "actors_cpu_overhead_fraction", "attributed_overhead_fraction")})
     return out
@@ -566,6 +572,9 @@ def main() -> None:
                    help="samples per phase (default: the stage's; shorter phases, more rounds: the machine's "
                         "slow spells fall on both sides of more comparisons)")
     p.add_argument("--rounds", type=int, default=4, help="on phases, each between two off phases (default 4)")
+    p.add_argument("--clock-phases", type=int, default=3,
+                   help="traced phases after the A/B schedule that measure the CPU inside tracing (default 3; "
+                        "the clock's own cost stays out of the A/B phases)")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the start-up heap in the garbage collector's reach (supervision.gc_freeze = false)")
     p.add_argument("--aa", action="store_true",
@@ -573,6 +582,8 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.clock_phases < 0:
+        p.error(f"--clock-phases must be >= 0, got {args.clock_phases}")
     if args.phase_samples is not None and args.phase_samples < 60:
         p.error(f"--phase-samples must be >= 60, got {args.phase_samples}")
     out = anyio.run(main_async, args)

@@ -312,7 +312,9 @@ class InferenceActor(StreamActor):
         assert self.client is not None
         mine: list[int] = []  # tokens this call produced, across resumed attempts
         attempt = 0
-        chunk_headers = tracing.trace_headers()  # the sample's span: the same for all its chunks
+        # The sample's span, on its first chunk only: later chunks share its key (sample_id), partition
+        # and order, so a consumer that wants their trace has it; 1 header per sample, not 1 per chunk.
+        chunk_headers = tracing.trace_headers()
         while True:
             epoch = self._update_epoch
             params = dict(sampling, max_new_tokens=budget - len(mine))
@@ -335,7 +337,8 @@ class InferenceActor(StreamActor):
                     self.emit(record, self.rt.names.tokens, TokenChunk(
                         sample_id=sample.sample_id, task_id=task.task_id, seq=sample.chunks,
                         token_ids=np.asarray(new_ids, np.int32), logprobs=np.asarray(lps, np.float32),
-                        weight_version=vers[-1]), key=sample.sample_id, headers=chunk_headers)
+                        weight_version=vers[-1]), key=sample.sample_id, headers=chunk_headers,
+                        trace=sample.chunks == 0)
                     sample.chunks += 1
                     self.tokens_out += len(new_ids)
                     seen = len(chunk.output_ids)

@@ -32,6 +32,10 @@ def _perturbed_copy(model_dir, out_dir) -> list:
     return [out_dir / "model.safetensors", out_dir / "config.json"]
 
 
+def _traceparent(i: int) -> str:
+    return f"00-{i + 1:032x}-{i + 1:016x}-01"
+
+
 async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
         kafka_bootstrap, nats_url, unique_name, tmp_path):
     model_dir = write_tiny_model_dir(tmp_path / "model", seed=0)
@@ -44,11 +48,13 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
         for i in range(TASKS):
             await rt.producer.send(names.tasks, Task(
                 task_id=f"t{i}", domain="arith", prompt=f"{i}+{i}=", spec={"answer": str(2 * i)}, group_size=GROUP,
-                sampling={"max_new_tokens": TOKENS, "ignore_eos": True}), key=f"t{i}")
+                sampling={"max_new_tokens": TOKENS, "ignore_eos": True}), key=f"t{i}",
+                headers={"traceparent": _traceparent(i)})
         sup = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
         sup.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w"))
         completions: dict[str, Completion] = {}
         chunks: dict[str, list[TokenChunk]] = defaultdict(list)
+        chunk_traceparents: dict[tuple[str, int], str | None] = {}
         watch = Consumer(cfg.kafka, topics=[names.completions, names.tokens], group=f"{unique_name}.watch",
                          expect=("completion", "token_chunk"))
         async with watch, anyio.create_task_group() as tg:
@@ -67,6 +73,7 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
                         m = r.message
                         if isinstance(m, TokenChunk):
                             chunks[m.sample_id].append(m)
+                            chunk_traceparents[m.sample_id, m.seq] = r.traceparent
                         else:
                             completions[m.sample_id] = m
                         r.ack()
@@ -89,6 +96,9 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
         ordered = sorted(chunks[sid], key=lambda ch: ch.seq)
         assert [ch.seq for ch in ordered] == list(range(len(ordered)))
         assert np.concatenate([ch.token_ids for ch in ordered]).tolist() == c.response_ids.tolist()
+        # tracing is off here, so the sample's context is its task's: on its first chunk only
+        task_tp = _traceparent(int(c.task_id[1:]))
+        assert [chunk_traceparents[sid, ch.seq] for ch in ordered] == [task_tp] + [None] * (len(ordered) - 1)
         assert set(c.weight_versions.tolist()) <= {0, 1}
         # versions never go backwards within a sample
         assert (np.diff(c.weight_versions) >= 0).all()
