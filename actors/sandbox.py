@@ -25,8 +25,8 @@ Invariants:
 Wiring (``rollout run``)::
 
     async with SandboxResources(cfg.sandbox) as resources:      # the pool lives as long as this block
-        for name, factory in build_sandbox_actors(rt, resources):
-            supervisor.add(name, factory)
+        for spec in build_sandbox_actors(rt, resources):
+            supervisor.add_spec(spec)
         await supervisor.run()
 
 Without ``resources`` the actors share one created on demand: the pool starts with the first actor's
@@ -42,14 +42,14 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from opentelemetry.trace import SpanKind
 
 from actors import tracing
 from actors.runtime import Runtime, StreamActor
-from engine.actor import Actor
+from engine.actor import ActorSpec
 from engine.config import SandboxConfig
 from engine.schemas import EPISODES_FULL, Completion, Outcome, SandboxRequest, SandboxResult
 from sandboxes import Limits, SandboxError, SandboxPool
@@ -489,13 +489,16 @@ class VerifyActor(_SandboxActorBase):
 # -- wiring -----------------------------------------------------------------------------------------
 
 
-def build_sandbox_actors(rt: Runtime, resources: SandboxResources | None = None) -> list[tuple[str, Callable[[], Actor]]]:
-    """(name, factory) pairs for the supervisor: the episode actor and the verify actor of this process.
+def build_sandbox_actors(rt: Runtime, resources: SandboxResources | None = None) -> list[ActorSpec]:
+    """The supervisor's specs of this process's episode actor and verify actor.
 
-    Both share ``resources`` (one pool); see the module docstring for who starts and stops it.
+    Both share ``resources`` (one pool); see the module docstring for who starts and stops it. The
+    episode actor drains after the inference actor when both run under one supervisor: multi-turn
+    generations need their sandbox until they end, and a step waiting for a reply that a drained
+    episode actor will never send would hold the inference actor's drain until its timeout.
     """
     shared = resources or SandboxResources(rt.cfg.sandbox)
     return [
-        ("sandbox.episodes", lambda: EpisodeActor(rt, shared)),
-        ("sandbox.verify", lambda: VerifyActor(rt, shared)),
+        ActorSpec("sandbox.episodes", lambda: EpisodeActor(rt, shared), drain_after=("inference",)),
+        ActorSpec("sandbox.verify", lambda: VerifyActor(rt, shared)),
     ]

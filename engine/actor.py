@@ -21,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import anyio
 
@@ -99,6 +99,14 @@ class RestartPolicy:
         return min(self.backoff_max_s, self.backoff_initial_s * (2 ** max(0, attempt - 1)))
 
 
+class ActorSpec(NamedTuple):
+    """An actor for a :class:`Supervisor`: its name, how to make it, and the actors it drains after."""
+
+    name: str
+    factory: Callable[[], Actor]
+    drain_after: tuple[str, ...] = ()
+
+
 @dataclasses.dataclass(slots=True)
 class _Slot:
     factory: Callable[[], Actor]
@@ -132,6 +140,10 @@ class Supervisor:
         if name in drain_after:
             raise ValueError(f"actor {name!r} cannot drain after itself")
         self._slots[name] = _Slot(factory=factory, drain_after=tuple(drain_after), drain_requested=anyio.Event())
+
+    def add_spec(self, spec: ActorSpec) -> None:
+        """``add`` an :class:`ActorSpec` (what role builders such as ``build_sandbox_actors`` return)."""
+        self.add(spec.name, spec.factory, drain_after=spec.drain_after)
 
     @property
     def actors(self) -> dict[str, Actor]:

@@ -92,11 +92,8 @@ class Deployment:
             from actors.sandbox import build_sandbox_actors, sandbox_resources
 
             resources = await enter(sandbox_resources(self.cfg.sandbox))
-            for name, factory in build_sandbox_actors(rt, resources):
-                # the inference actor's multi-turn episodes need their sandbox until they end: when both
-                # run here, episodes drain after inference has (no in-flight step waits for a reply
-                # that a drained episode actor will never send)
-                add(name, factory, drain_after=("inference",) if name == "sandbox.episodes" else ())
+            for spec in build_sandbox_actors(rt, resources):  # episodes drain after inference, if it runs here
+                self.supervisor.add_spec(spec)
 
         if "inference" in self.roles:
             from transformers import AutoTokenizer

@@ -111,8 +111,8 @@ async def test_sandbox_role_end_to_end(kafka_bootstrap: str, nats_url: str, uniq
     async with Runtime(cfg) as rt, resources:
         names = rt.names
         supervisor = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
-        for name, factory in build_sandbox_actors(rt, resources):
-            supervisor.add(name, factory)
+        for spec in build_sandbox_actors(rt, resources):
+            supervisor.add_spec(spec)
         outcomes = Collector(Consumer(cfg.kafka, assign=[(names.outcomes, p) for p in range(2)], expect=("outcome",)))
         results = Collector(Consumer(cfg.kafka, assign=[(names.sandbox_results, REPLY_PARTITION)],
                                      expect=("sandbox_result",)))
