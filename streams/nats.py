@@ -8,9 +8,11 @@ operation has a hard timeout and raises ``NatsError`` naming what timed out.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TYPE, ObjectStore
 
 from engine.config import NatsConfig
 
@@ -139,7 +141,7 @@ class Nats:
         try:
             with anyio.fail_after(timeout):
                 with open(tmp, "wb") as f:
-                    await store.get(name, writeinto=f)
+                    await self._read_object(store, bucket, name, f.write)
         except TimeoutError:
             tmp.unlink(missing_ok=True)
             raise NatsError(f"get of {name} from {bucket} timed out after {timeout:.0f}s") from None
@@ -153,6 +155,43 @@ class Nats:
                 raise NatsError(f"object {name}: sha256 {got} does not match the manifest's {sha256}")
         os.replace(tmp, path)
         return os.path.getsize(path)
+
+    async def _read_object(self, store: ObjectStore, bucket: str, name: str,
+                           write: Callable[[bytes], object]) -> None:
+        """Stream object ``name``'s chunks to ``write`` (in a worker thread) and check the store's digest.
+
+        nats-py's ``ObjectStore.get`` unsubscribes its chunk consumer only when the last chunk has
+        arrived: cancelled or failed half-way (a timeout, a shutdown, a failing write) it leaves the
+        subscription behind, buffering the rest of the object in this process and holding up ``drain``
+        at close. Here the subscription ends with the read, however it ends.
+        """
+        info = await store.get_info(name)
+        if not info.nuid:
+            raise NatsError(f"object {name} in {bucket} has no chunk id in its metadata")
+        if info.is_link():
+            raise NatsError(f"object {name} in {bucket} is a link; links are not followed")
+        if not info.size:
+            return
+        sub = await self._jetstream().subscribe(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
+                                                ordered_consumer=True)
+        digest = hashlib.sha256()
+        try:
+            async for msg in sub.messages:
+                digest.update(msg.data)
+                await anyio.to_thread.run_sync(write, msg.data)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                with contextlib.suppress(Exception):  # a closed connection has dropped it already
+                    await sub.unsubscribe()
+        want = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE).removeprefix(OBJ_DIGEST_TYPE.upper())
+        try:
+            expected = base64.urlsafe_b64decode(want + "=" * (-len(want) % 4))
+        except ValueError:
+            raise NatsError(f"object {name} in {bucket}: unreadable digest {info.digest!r} in its metadata") from None
+        if digest.digest() != expected:
+            raise NatsError(f"object {name} in {bucket}: the chunks' SHA-256 does not match the store's digest")
 
     async def delete_object(self, bucket: str, name: str) -> None:
         store = await self.object_store(bucket)

@@ -181,6 +181,48 @@ async def test_nats_object_store_round_trip_of_200_mb(nats_url, unique_name, tmp
         assert not (tmp_path / "bad.bin").exists()
 
 
+async def test_an_object_read_cut_short_leaves_no_subscription_behind(nats_url, unique_name, tmp_path):
+    """A weight fetch that fails or is cancelled half-way ends its chunk subscription.
+
+    (nats-py's ``ObjectStore.get`` unsubscribes only after the last chunk: a cancelled fetch left the
+    rest of the object buffered in the process and held ``drain`` up at close.)
+    """
+    src = tmp_path / "blob.bin"
+    src.write_bytes(os.urandom(4 << 20))  # 32 chunks of 128 KiB
+    async with Nats(NatsConfig(url=nats_url, timeout_s=30)) as n:
+        bucket = unique_name.replace(".", "-")
+        await n.put_file(bucket, "blob", src)
+        store = await n.object_store(bucket)
+        assert n.nc is not None
+        baseline = set(n.nc._subs)
+
+        written: list[int] = []
+
+        def failing_write(data: bytes) -> None:
+            written.append(len(data))
+            raise OSError("disk full")
+
+        with pytest.raises(OSError, match="disk full"):
+            await n._read_object(store, bucket, "blob", failing_write)
+        assert written == [128 << 10]
+        assert set(n.nc._subs) == baseline
+
+        with anyio.CancelScope() as scope:
+            def cancel_after_the_first_chunk(data: bytes) -> None:
+                written.append(len(data))
+                anyio.from_thread.run_sync(scope.cancel)
+
+            await n._read_object(store, bucket, "blob", cancel_after_the_first_chunk)
+        assert scope.cancelled_caught and len(written) == 2
+        assert set(n.nc._subs) == baseline
+
+        # the same object still reads back whole, and that read leaves nothing behind either
+        dst = tmp_path / "copy.bin"
+        assert await n.get_file(bucket, "blob", dst, sha256=hashlib.sha256(src.read_bytes()).hexdigest()) == 4 << 20
+        assert dst.read_bytes() == src.read_bytes()
+        assert set(n.nc._subs) == baseline
+
+
 async def test_nats_kv_put_get_watch(nats_url, unique_name):
     async with Nats(NatsConfig(url=nats_url)) as n:
         bucket = unique_name.replace(".", "-")
