@@ -116,6 +116,10 @@ class InferenceConfig(Section):
     """Partition of rollout.sandbox.results this instance reads its sandbox replies from (unique per instance)."""
     max_batch: int = Field(64, ge=1)
     """Local backend: most sequences decoded together."""
+    stream_interval: int = Field(1, ge=1)
+    """Tokens per ``rollout.tokens`` record: new tokens are sent once this many have come (the rest when
+    the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and
+    broker CPU) per sample at the cost of a consumer seeing tokens a few decode steps later."""
 
 
 class SandboxConfig(Section):

@@ -2,7 +2,8 @@
 
 For each task from ``rollout.tasks`` it generates the task's group of samples concurrently:
 
-- every generation streams; new tokens go to ``rollout.tokens`` (key sample_id) as they arrive;
+- every generation streams; new tokens go to ``rollout.tokens`` (key sample_id) as they arrive, one
+  record per ``inference.stream_interval`` tokens (and the rest when the generation ends);
 - token ids are kept exactly as produced (token-in-token-out: the prompt is tokenised once, the
   model's tokens are never re-tokenised), with the behaviour logprob and the weight version of
   every token;
@@ -100,6 +101,7 @@ class InferenceActor(StreamActor):
         self.tokenizer = tokenizer
         self.reply_partition = reply_partition
         self.concurrency = max(1, cfg.concurrency // max(1, rt.cfg.scheduler.group_size))
+        self.stream_interval = cfg.stream_interval
         self.client: SGLangClient | None = None
         self.results: Consumer | None = None
         self._replies: dict[tuple[str, int], SandboxResult] = {}
@@ -110,6 +112,7 @@ class InferenceActor(StreamActor):
         self._weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rollout-weights-"))
         self.samples_done = 0
         self.tokens_out = 0
+        self.chunks_out = 0  # rollout.tokens records
         self.resumed = 0
         self.waited_for_sandbox = 0
 
@@ -300,6 +303,23 @@ class InferenceActor(StreamActor):
         self.samples_done += 1
         return completion
 
+    def _stream_tokens(self, record: Record, task: Task, sample: _Sample,
+                       unsent: tuple[list[int], list[float], list[int]], headers: dict[str, str]) -> None:
+        """One ``rollout.tokens`` record of the tokens not yet streamed; empties ``unsent``.
+
+        The sample's trace context goes on its first chunk only: later chunks share its key
+        (sample_id), partition and order, so a consumer that wants their trace has it.
+        """
+        ids, lps, vers = unsent
+        self.emit(record, self.rt.names.tokens, TokenChunk(
+            sample_id=sample.sample_id, task_id=task.task_id, seq=sample.chunks,
+            token_ids=np.asarray(ids, np.int32), logprobs=np.asarray(lps, np.float32),
+            weight_version=vers[-1]), key=sample.sample_id, headers=headers, trace=sample.chunks == 0)
+        sample.chunks += 1
+        self.chunks_out += 1
+        for part in unsent:
+            part.clear()
+
     def _sampling(self, task: Task) -> dict[str, Any]:
         cfg = self.rt.cfg.inference
         s = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
@@ -312,9 +332,7 @@ class InferenceActor(StreamActor):
         assert self.client is not None
         mine: list[int] = []  # tokens this call produced, across resumed attempts
         attempt = 0
-        # The sample's span, on its first chunk only: later chunks share its key (sample_id), partition
-        # and order, so a consumer that wants their trace has it; 1 header per sample, not 1 per chunk.
-        chunk_headers = tracing.trace_headers()
+        chunk_headers = tracing.trace_headers()  # the sample's span: on its first token chunk
         while True:
             epoch = self._update_epoch
             params = dict(sampling, max_new_tokens=budget - len(mine))
@@ -322,6 +340,7 @@ class InferenceActor(StreamActor):
             seen = 0
             stream = self.client.generate_stream(context + mine, sampling_params=params,
                                                  rid=f"{sample.sample_id}#{attempt}", key=sample.sample_id)
+            unsent: tuple[list[int], list[float], list[int]] = ([], [], [])
             async for chunk in stream:
                 new_ids = chunk.output_ids[seen:]
                 if new_ids:
@@ -334,16 +353,17 @@ class InferenceActor(StreamActor):
                         vers = [_version_int(chunk.weight_version, self.weight_version)] * len(new_ids)
                     sample.add_model_tokens(new_ids, lps, vers)
                     mine += new_ids
-                    self.emit(record, self.rt.names.tokens, TokenChunk(
-                        sample_id=sample.sample_id, task_id=task.task_id, seq=sample.chunks,
-                        token_ids=np.asarray(new_ids, np.int32), logprobs=np.asarray(lps, np.float32),
-                        weight_version=vers[-1]), key=sample.sample_id, headers=chunk_headers,
-                        trace=sample.chunks == 0)
-                    sample.chunks += 1
+                    unsent[0].extend(new_ids)
+                    unsent[1].extend(lps)
+                    unsent[2].extend(vers)
                     self.tokens_out += len(new_ids)
                     seen = len(chunk.output_ids)
                 if chunk.finished:
                     final = chunk
+                if len(unsent[0]) >= self.stream_interval or (chunk.finished and unsent[0]):
+                    self._stream_tokens(record, task, sample, unsent, chunk_headers)
+            if unsent[0]:  # the stream ended without a finished chunk: still send what it made
+                self._stream_tokens(record, task, sample, unsent, chunk_headers)
             assert final is not None
             kind = final.finish_type or "unknown"
             if kind == "abort" and self._update_epoch != epoch and len(mine) < budget and not self.draining:
@@ -393,5 +413,5 @@ class InferenceActor(StreamActor):
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()
         stats.update(weight_version=self.weight_version, samples_done=self.samples_done,
-                     tokens_out=self.tokens_out, resumed=self.resumed, waited_for_sandbox=self.waited_for_sandbox)
+                     tokens_out=self.tokens_out, chunks_out=self.chunks_out, resumed=self.resumed, waited_for_sandbox=self.waited_for_sandbox)
         return stats

@@ -36,13 +36,15 @@ def _traceparent(i: int) -> str:
     return f"00-{i + 1:032x}-{i + 1:016x}-01"
 
 
+@pytest.mark.parametrize("stream_interval", [1, 16])
 async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
-        kafka_bootstrap, nats_url, unique_name, tmp_path):
+        kafka_bootstrap, nats_url, unique_name, tmp_path, stream_interval):
     model_dir = write_tiny_model_dir(tmp_path / "model", seed=0)
     _, tokenizer = load_model_dir(model_dir)
     cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=2),
                        nats=NatsConfig(url=nats_url), scheduler=SchedulerConfig(group_size=GROUP),
-                       inference=InferenceConfig(concurrency=TASKS * GROUP, temperature=1.0))
+                       inference=InferenceConfig(concurrency=TASKS * GROUP, temperature=1.0,
+                                                 stream_interval=stream_interval))
     async with LocalServer(model_dir, log_path=tmp_path / "server.log") as url, Runtime(cfg) as rt:
         names = rt.names
         for i in range(TASKS):
@@ -96,6 +98,12 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
         ordered = sorted(chunks[sid], key=lambda ch: ch.seq)
         assert [ch.seq for ch in ordered] == list(range(len(ordered)))
         assert np.concatenate([ch.token_ids for ch in ordered]).tolist() == c.response_ids.tolist()
+        # a record carries stream_interval tokens or more, except the last of each generate call (its
+        # end, or an abort by a weight update that the sample then resumed)
+        short = [len(ch.token_ids) for ch in ordered if len(ch.token_ids) < stream_interval]
+        assert len(short) <= 1 + stats["resumed"], (sid, [len(ch.token_ids) for ch in ordered])
+        if stream_interval > 1:
+            assert len(ordered) <= n // stream_interval + 1 + stats["resumed"]
         # tracing is off here, so the sample's context is its task's: on its first chunk only
         task_tp = _traceparent(int(c.task_id[1:]))
         assert [chunk_traceparents[sid, ch.seq] for ch in ordered] == [task_tp] + [None] * (len(ordered) - 1)
