@@ -5,9 +5,9 @@ once through raw kafka-python and once through ``streams.kafka`` (Producer / Con
 envelope, the off-loop hand-off, decode and commit bookkeeping). Both paths send the same encoded
 records, so the ratio is the cost of the adapter, not of MessagePack.
 
-NATS: an object of 64 MiB (16 MiB with --quick) through ``streams.nats`` (put_file / get_file that
-stream through files and check the digest) and through raw nats-py (put of bytes / get without
-writeinto).
+NATS: objects of 4 MiB and of 64 MiB (16 MiB with --quick) through ``streams.nats`` (put_file /
+get_file that stream through files and check the digest) and through raw nats-py (put of bytes / get
+without writeinto).
 
     python loadtests/streams.py [--quick] [--json out.json] [--bootstrap H:P] [--nats URL]
 
@@ -122,7 +122,7 @@ async def bench_kafka(bootstrap: str, n: int, size: int, label: str, rows: list,
     out[f"adapter_vs_raw_{label}"] = round((t_raw + c_raw) / (t_ad + c_ad), 3)
 
 
-async def bench_objstore(nats_url: str, size_mb: int, rows: list, out: dict) -> None:
+async def bench_objstore(nats_url: str, size_mb: int, rows: list, out: dict, suffix: str = "") -> None:
     cfg = NatsConfig(url=nats_url, timeout_s=120)
     bucket = f"bench-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,10 +149,10 @@ async def bench_objstore(nats_url: str, size_mb: int, rows: list, out: dict) -> 
                  size_mb / put_ad, put_raw / put_ad))
     rows.append((f"objstore get {size_mb} MiB", size_mb / get_raw, size_mb / get_ad, size_mb / get_raw,
                  size_mb / get_ad, get_raw / get_ad))
-    out["objstore_put_mbps"] = round(size_mb * 1.048576 / put_ad, 1)
-    out["objstore_get_mbps"] = round(size_mb * 1.048576 / get_ad, 1)
-    out["objstore_put_vs_raw"] = round(put_raw / put_ad, 3)
-    out["objstore_get_vs_raw"] = round(get_raw / get_ad, 3)
+    out[f"objstore_put_mbps{suffix}"] = round(size_mb * 1.048576 / put_ad, 1)
+    out[f"objstore_get_mbps{suffix}"] = round(size_mb * 1.048576 / get_ad, 1)
+    out[f"objstore_put_vs_raw{suffix}"] = round(put_raw / put_ad, 3)
+    out[f"objstore_get_vs_raw{suffix}"] = round(get_raw / get_ad, 3)
 
 
 @contextlib.contextmanager
@@ -174,6 +174,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     with _infra(args.bootstrap, args.nats) as (bootstrap, nats_url):
         await bench_kafka(bootstrap, n1k, 1024, "1k", rows, out)
         await bench_kafka(bootstrap, n256, 256 * 1024, "256k", rows, out)
+        await bench_objstore(nats_url, 4, rows, out, suffix="_4mib")  # a small model's weights
         await bench_objstore(nats_url, 16 if args.quick else 64, rows, out)
     print(f"{'path':<26}{'raw rec/s':>12}{'adapter rec/s':>15}{'raw MB/s':>10}{'adapter MB/s':>14}{'ratio':>8}")
     for name, rr, ar, rm, am, ratio in rows:

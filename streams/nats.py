@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
@@ -176,7 +177,13 @@ class Nats:
                                                 ordered_consumer=True)
         digest = hashlib.sha256()
         try:
-            async for msg in sub.messages:
+            while True:
+                # next_msg, not the message iterator: it answers the server's flow-control requests,
+                # without which delivery stalls about 250 ms every 2 MiB (17 MB/s; ~1 GB/s with it)
+                try:
+                    msg = await sub.next_msg(timeout=self.cfg.timeout_s)
+                except nats.errors.TimeoutError:
+                    raise NatsError(f"object {name} in {bucket}: no chunk for {self.cfg.timeout_s}s") from None
                 digest.update(msg.data)
                 await anyio.to_thread.run_sync(write, msg.data)
                 if msg.metadata.num_pending == 0:
