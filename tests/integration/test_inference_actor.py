@@ -54,6 +54,9 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
                 headers={"traceparent": _traceparent(i)})
         sup = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
         sup.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w"))
+        # version 1 is made before generation starts: publishing it mid-run must be quick, or the
+        # generations could all finish before the update lands
+        v1_files = _perturbed_copy(model_dir, tmp_path / "v1")
         completions: dict[str, Completion] = {}
         chunks: dict[str, list[TokenChunk]] = defaultdict(list)
         chunk_traceparents: dict[tuple[str, int], str | None] = {}
@@ -81,8 +84,7 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
                         r.ack()
                     if not published and chunks:
                         # generation is under way: publish version 1 through NATS
-                        files = _perturbed_copy(model_dir, tmp_path / "v1")
-                        await WeightPublisher(rt.require_nats(), names).publish(1, files)
+                        await WeightPublisher(rt.require_nats(), names).publish(1, v1_files)
                         published = True
             actor = sup.actors["inference"]
             stats = actor.statistics()
