@@ -51,7 +51,7 @@ from actors import tracing
 from actors.runtime import Runtime, StreamActor
 from engine.actor import ActorSpec
 from engine.config import SandboxConfig
-from engine.schemas import EPISODES_FULL, Completion, Outcome, SandboxRequest, SandboxResult
+from engine.schemas import EPISODES_FULL, SANDBOX_ERROR, Completion, Outcome, SandboxRequest, SandboxResult
 from sandboxes import Limits, SandboxError, SandboxPool
 from sandboxes.verifiers import VERIFIERS, Facts, TerminalEpisode
 from streams.kafka import Record, StreamError
@@ -437,6 +437,7 @@ class VerifyActor(_SandboxActorBase):
         self.registry = {**DOMAIN_VERIFIERS, **(registry or {})}
         self.verified: collections.Counter[str] = collections.Counter()
         self.verifier_errors = 0
+        self.episodes_lost = 0
 
     async def handle(self, record: Record) -> None:
         completion = record.message
@@ -463,6 +464,14 @@ class VerifyActor(_SandboxActorBase):
         except ValueError as exc:
             self.verifier_errors += 1
             return "none", {"error": str(exc)}, str(exc)
+        if kind == "terminal" and completion.finish_reason == SANDBOX_ERROR:
+            # The episode lost its sandbox (a host died, the episode idled out, no reply in time) or
+            # could not get one: nothing the model did. An error, so the reward actor leaves the
+            # sample out of its group's statistics and the learner never trains on it; scored zero, a
+            # lost sandbox would push the policy away from whatever the model was doing.
+            self.episodes_lost += 1
+            why = str(completion.episode_facts.get("error", "")) or "no reason given"
+            return kind, dict(completion.episode_facts), f"episode lost its sandbox: {why}"[:2000]
         if kind == "terminal" and completion.episode_facts:
             return kind, dict(completion.episode_facts), ""  # judged when the episode closed
         spec, clamped = clamp_spec(completion.spec, self.resources.cfg, self.resources.settings)
@@ -482,7 +491,8 @@ class VerifyActor(_SandboxActorBase):
 
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()
-        stats.update(verified=dict(self.verified), verifier_errors=self.verifier_errors)
+        stats.update(verified=dict(self.verified), verifier_errors=self.verifier_errors,
+                     episodes_lost=self.episodes_lost)
         return stats
 
 

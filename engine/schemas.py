@@ -329,6 +329,11 @@ class SandboxResult(Message):
 EPISODES_FULL = "too_many_episodes"
 """``SandboxResult.error`` of an ``open`` refused because the sandbox host holds all the episodes it may."""
 
+SANDBOX_ERROR = "sandbox_error"
+"""``Completion.finish_reason`` of a multi-turn sample whose episode lost its sandbox or never got one
+(a host died, the episode idled out, no reply in time, an unusable spec): not the model's doing, so
+the verify actor reports it as an error and the sample is accounted for but never trained on."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Completion(Message):

@@ -360,7 +360,7 @@ class LedgerReport:
 def build_ledger(cfg: EngineConfig, checkpoint_root: str | Path | None = None, *,
                  timeout_s: float = 120.0) -> LedgerReport:
     """Read the namespace's topics and the learner's checkpoint directory; see the module docstring."""
-    from engine.schemas import Completion, DeadLetter, Experience, Outcome, Task
+    from engine.schemas import SANDBOX_ERROR, Completion, DeadLetter, Experience, Outcome, Task
 
     names = Names(cfg.namespace)
     root = Path(checkpoint_root) if checkpoint_root is not None else Path(cfg.learner.checkpoint_dir) / cfg.namespace
@@ -379,7 +379,7 @@ def build_ledger(cfg: EngineConfig, checkpoint_root: str | Path | None = None, *
             completions.undecodable += 1
         elif isinstance(rec.message, Completion):
             completions.add(rec.message.sample_id)
-            if rec.message.finish_reason == "sandbox_error":
+            if rec.message.finish_reason == SANDBOX_ERROR:
                 sandbox_errors.add(rec.message.sample_id)
 
     outcomes = Stage()

@@ -33,7 +33,7 @@ from opentelemetry.trace import SpanKind
 from actors import tracing
 from actors.inference.sglang_client import GenerateResult, SGLangClient, SGLangError
 from actors.runtime import INFRA_ERRORS, Released, Runtime, StreamActor
-from engine.schemas import EPISODES_FULL, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
+from engine.schemas import EPISODES_FULL, SANDBOX_ERROR, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
 from streams.kafka import Consumer, Record
 from streams.weights import WeightSubscriber
 
@@ -408,7 +408,7 @@ class InferenceActor(StreamActor):
             return finish, dict(closed.facts)
         except SandboxUnavailable as exc:
             log.warning("%s: episode %s lost its sandbox: %s", self.name, episode, exc)
-            return "sandbox_error", {"error": str(exc)}
+            return SANDBOX_ERROR, {"error": str(exc)}
 
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()

@@ -23,7 +23,7 @@ from helpers.fixtures import sandbox_processes
 from actors.sandbox import EPISODE_UNKNOWN, SandboxResources, SandboxSettings, build_sandbox_actors
 from engine.actor import RestartPolicy, Supervisor
 from engine.config import EngineConfig, KafkaConfig, NatsConfig, SandboxConfig
-from engine.schemas import Completion, DeadLetter, Outcome, SandboxRequest, SandboxResult
+from engine.schemas import SANDBOX_ERROR, Completion, DeadLetter, Outcome, SandboxRequest, SandboxResult
 from sandboxes.bwrap import SANDBOX_ROOT
 from sandboxes.cgroups import list_groups
 from streams.kafka import Consumer, Record
@@ -50,7 +50,7 @@ def completion(sample_id: str, domain: str, text: str, spec: dict[str, Any], **e
         sample_id=sample_id, task_id=f"task-{sample_id}", domain=domain, group_index=0, group_size=1,
         prompt_ids=np.arange(4, dtype=np.int32), response_ids=np.arange(n, dtype=np.int32),
         logprobs=np.zeros(n, dtype=np.float32), loss_mask=np.ones(n, dtype=np.uint8),
-        weight_versions=np.zeros(n, dtype=np.int32), text=text, finish_reason="stop", spec=spec, **extra)
+        weight_versions=np.zeros(n, dtype=np.int32), text=text, spec=spec, **{"finish_reason": "stop", **extra})
 
 
 def owned_sandboxes() -> set[str]:
@@ -165,10 +165,15 @@ async def test_sandbox_role_end_to_end(kafka_bootstrap: str, nats_url: str, uniq
             # -- the terminal completion carries the episode's facts --------------------------------
             terminal = completion("terminal", "terminal", "```bash\nls\n```", spec, episode_facts=closed.facts)
             await rt.producer.send(names.completions, terminal, key=terminal.task_id)
+            # ... and one whose episode lost its sandbox is an error (never trained on), not a zero score
+            lost = completion("terminal-lost", "terminal", "ls\n", spec, finish_reason=SANDBOX_ERROR,
+                              episode_facts={"error": "no sandbox reply for terminal-lost step 2"})
+            await rt.producer.send(names.completions, lost, key=lost.task_id)
 
-            expected = set(samples) | {"terminal"}
+            expected = set(samples) | {"terminal", "terminal-lost"}
             await outcomes.until(lambda recs: {_sample(r) for r in recs} >= expected, 90, "all outcomes")
             await letters.until(lambda recs: any(r.message.topic == names.completions for r in recs), 30, "dead letter")
+            verify_stats = supervisor.actors["sandbox.verify"].statistics()
             supervisor.drain()
 
         facts = {_sample(r): r.message for r in outcomes.records}
@@ -184,6 +189,10 @@ async def test_sandbox_role_end_to_end(kafka_bootstrap: str, nats_url: str, uniq
         assert facts["override"].verifier == "answer" and by["override"]["correct"] is True
         assert facts["unknown"].error and by["unknown"]["error"]
         assert by["terminal"] == closed.facts and facts["terminal"].verifier == "terminal"
+        assert facts["terminal"].error == ""
+        assert facts["terminal-lost"].verifier == "terminal"
+        assert facts["terminal-lost"].error == "episode lost its sandbox: no sandbox reply for terminal-lost step 2"
+        assert verify_stats["episodes_lost"] == 1
         assert all(o.verify_s >= 0 for o in facts.values())
         letter = next(r.message for r in letters.records if r.message.topic == names.completions)
         assert isinstance(letter, DeadLetter) and letter.value == b"\xc1 not msgpack"
