@@ -1,17 +1,26 @@
 """NATS JetStream adapter: object store that streams through files, KV put / get / watch.
 
 Large objects never pass through one message or one ``bytes`` value: ``put_file`` reads the file in
-chunks (nats-py publishes 128 KiB chunks) and ``get_file`` writes chunks into a file as they come
-(nats-py's ``get()`` without ``writeinto`` concatenates bytes: 64 MB takes 4x longer). Every
-operation has a hard timeout and raises ``NatsError`` naming what timed out.
+128 KiB chunks and publishes them with up to ``PUT_WINDOW`` acknowledgements outstanding, and
+``get_file`` writes chunks into a file as they come, answering the server's flow control. Both keep
+nats-py's object layout (any client reads what they write) but not its ``get`` / ``put``, which stall
+on flow control, wait a round trip per chunk, and leave a subscription or chunks behind when cut
+short (docs/architecture.md, "Weights"). Every operation has a hard timeout and raises ``NatsError``
+naming what timed out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import collections
 import contextlib
+import datetime
 import hashlib
+import io
+import json
 import os
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,12 +29,17 @@ import anyio
 import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+from nats.js.api import Header, KeyValueConfig, ObjectInfo, ObjectMetaOptions, ObjectStoreConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TYPE, ObjectStore
+from nats.js.object_store import (MSG_ROLLUP_SUBJECT, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DEFAULT_CHUNK_SIZE, OBJ_DIGEST_TEMPLATE,
+                                  OBJ_DIGEST_TYPE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore)
 
 from engine.config import NatsConfig
+
+
+PUT_WINDOW = 64
+"""Object chunks (128 KiB each) a write keeps unacknowledged: 8 MiB in flight."""
 
 
 class NatsError(RuntimeError):
@@ -119,19 +133,67 @@ class Nats:
         """Stream a file into the object store; returns {name, size, sha256}."""
         store = await self.object_store(bucket)
         timeout = timeout_s or max(self.cfg.timeout_s, os.path.getsize(path) / (20 * 1024 * 1024))
-        sha = await anyio.to_thread.run_sync(_sha256_file, path)
         try:
             with anyio.fail_after(timeout), open(path, "rb") as f:
-                info = await store.put(name, f)
+                size, sha = await self._write_object(store, bucket, name, f.read)
         except TimeoutError:
             raise NatsError(f"put of {name} into {bucket} timed out after {timeout:.0f}s") from None
-        return {"name": name, "size": info.size, "sha256": sha}
+        return {"name": name, "size": size, "sha256": sha}
+
+    async def _write_object(self, store: ObjectStore, bucket: str, name: str,
+                            read: Callable[[int], bytes]) -> tuple[int, str]:
+        """Write object ``name`` from ``read`` (called in a worker thread); returns (size, sha256 hex).
+
+        The same layout as nats-py's ``ObjectStore.put`` (chunks of 128 KiB under a fresh id, then the
+        metadata message as a roll-up, then the old version's chunks purged), so any client reads it;
+        but the chunks are published with up to ``PUT_WINDOW`` acknowledgements outstanding rather than
+        one round trip each, and the store's digest (SHA-256) is the one the caller gets back: the file
+        is read once. A write that fails or is cancelled purges the chunks it sent.
+        """
+        js = self._jetstream()
+        try:
+            existing: ObjectInfo | None = await store.get_info(name)
+        except NotFoundError:
+            existing = None
+        nuid = uuid.uuid4().hex
+        chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+        digest, size, chunks = hashlib.sha256(), 0, 0
+        acks: collections.deque[asyncio.Future[Any]] = collections.deque()
+        try:
+            while data := await anyio.to_thread.run_sync(read, OBJ_DEFAULT_CHUNK_SIZE):
+                digest.update(data)
+                size, chunks = size + len(data), chunks + 1
+                acks.append(await js.publish_async(chunk_subject, data))
+                if len(acks) >= PUT_WINDOW:
+                    await acks.popleft()  # raises the server's error for that chunk, if any
+            while acks:
+                await acks.popleft()
+            info = ObjectInfo(
+                name=name, bucket=bucket, nuid=nuid, size=size, chunks=chunks,
+                mtime=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest.digest()).decode()),
+                options=ObjectMetaOptions(max_chunk_size=OBJ_DEFAULT_CHUNK_SIZE))
+            meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=bucket,
+                                                        obj=base64.urlsafe_b64encode(name.encode()).decode())
+            await js.publish(meta_subject, json.dumps(info.as_dict()).encode(),
+                             headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+        except BaseException:
+            for ack in acks:
+                ack.cancel()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Exception):
+                await js.purge_stream(stream, subject=chunk_subject)
+            raise
+        if existing is not None and not existing.deleted:
+            with contextlib.suppress(NotFoundError):
+                await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=existing.nuid))
+        return size, digest.hexdigest()
 
     async def put_bytes(self, bucket: str, name: str, data: bytes) -> dict[str, Any]:
         store = await self.object_store(bucket)
         with anyio.fail_after(self.cfg.timeout_s):
-            info = await store.put(name, data)
-        return {"name": name, "size": info.size, "sha256": hashlib.sha256(data).hexdigest()}
+            size, sha = await self._write_object(store, bucket, name, io.BytesIO(data).read)
+        return {"name": name, "size": size, "sha256": sha}
 
     async def get_file(self, bucket: str, name: str, path: str | Path, *, sha256: str | None = None,
                        timeout_s: float | None = None) -> int:
@@ -140,26 +202,26 @@ class Nats:
         timeout = timeout_s or self.cfg.timeout_s * 4
         tmp = Path(f"{path}.part")
         try:
-            with anyio.fail_after(timeout):
-                with open(tmp, "wb") as f:
-                    await self._read_object(store, bucket, name, f.write)
-        except TimeoutError:
-            tmp.unlink(missing_ok=True)
-            raise NatsError(f"get of {name} from {bucket} timed out after {timeout:.0f}s") from None
-        except NotFoundError:
-            tmp.unlink(missing_ok=True)
-            raise NatsError(f"object {name} not found in bucket {bucket}") from None
-        if sha256 is not None:
-            got = await anyio.to_thread.run_sync(_sha256_file, tmp)
-            if got != sha256:
-                tmp.unlink(missing_ok=True)
+            try:
+                with anyio.fail_after(timeout):
+                    with open(tmp, "wb") as f:
+                        got = await self._read_object(store, bucket, name, f.write)
+            except TimeoutError:
+                raise NatsError(f"get of {name} from {bucket} timed out after {timeout:.0f}s") from None
+            except NotFoundError:
+                raise NatsError(f"object {name} not found in bucket {bucket}") from None
+            if sha256 is not None and got != sha256:
                 raise NatsError(f"object {name}: sha256 {got} does not match the manifest's {sha256}")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
         return os.path.getsize(path)
 
     async def _read_object(self, store: ObjectStore, bucket: str, name: str,
-                           write: Callable[[bytes], object]) -> None:
-        """Stream object ``name``'s chunks to ``write`` (in a worker thread) and check the store's digest.
+                           write: Callable[[bytes], object]) -> str:
+        """Stream object ``name``'s chunks to ``write`` (in a worker thread), check the store's digest
+        and return it (SHA-256, hex).
 
         nats-py's ``ObjectStore.get`` unsubscribes its chunk consumer only when the last chunk has
         arrived: cancelled or failed half-way (a timeout, a shutdown, a failing write) it leaves the
@@ -172,7 +234,7 @@ class Nats:
         if info.is_link():
             raise NatsError(f"object {name} in {bucket} is a link; links are not followed")
         if not info.size:
-            return
+            return hashlib.sha256().hexdigest()
         sub = await self._jetstream().subscribe(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid),
                                                 ordered_consumer=True)
         digest = hashlib.sha256()
@@ -199,6 +261,7 @@ class Nats:
             raise NatsError(f"object {name} in {bucket}: unreadable digest {info.digest!r} in its metadata") from None
         if digest.digest() != expected:
             raise NatsError(f"object {name} in {bucket}: the chunks' SHA-256 does not match the store's digest")
+        return digest.hexdigest()
 
     async def delete_object(self, bucket: str, name: str) -> None:
         store = await self.object_store(bucket)
@@ -248,11 +311,3 @@ class Nats:
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                 await watcher.stop()
-
-
-def _sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()

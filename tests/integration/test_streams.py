@@ -18,7 +18,7 @@ from engine.config import KafkaConfig, NatsConfig
 from engine.schemas import DeadLetter, Task, TokenChunk
 from streams.codec import decode, encode
 from streams.kafka import Consumer, Producer, ensure_topics
-from streams.nats import Nats
+from streams.nats import Nats, NatsError
 
 pytestmark = pytest.mark.anyio
 
@@ -221,6 +221,63 @@ async def test_an_object_read_cut_short_leaves_no_subscription_behind(nats_url, 
         assert await n.get_file(bucket, "blob", dst, sha256=hashlib.sha256(src.read_bytes()).hexdigest()) == 4 << 20
         assert dst.read_bytes() == src.read_bytes()
         assert set(n.nc._subs) == baseline
+
+
+async def test_object_writes_interoperate_with_nats_py_and_a_failed_write_leaves_no_chunks(
+        nats_url, unique_name, tmp_path):
+    """``put_file`` pipelines its chunks but writes nats-py's layout; a write cut short purges its chunks."""
+    first, second = os.urandom((3 << 20) + 12345), os.urandom(1 << 20)
+    src = tmp_path / "w.bin"
+    src.write_bytes(first)
+    async with Nats(NatsConfig(url=nats_url, timeout_s=30)) as n:
+        bucket = unique_name.replace(".", "-")
+        info = await n.put_file(bucket, "w", src)
+        assert info == {"name": "w", "size": len(first), "sha256": hashlib.sha256(first).hexdigest()}
+        store = await n.object_store(bucket)
+        assert (await store.get("w")).data == first  # nats-py reads what we wrote, digest checked
+        assert n.js is not None
+        stream = f"OBJ_{bucket}"
+        chunks_of_first = (await n.js.stream_info(stream)).state.messages
+
+        # a new version replaces the old one and purges its chunks
+        src.write_bytes(second)
+        await n.put_file(bucket, "w", src)
+        assert (await store.get("w")).data == second
+        settled = (await n.js.stream_info(stream)).state.messages
+        assert settled == 8 + 1 < chunks_of_first  # 8 chunks of 128 KiB and the metadata message
+
+        # what nats-py writes, we read
+        await store.put("theirs", first)
+        assert await n.get_file(bucket, "theirs", tmp_path / "theirs.bin",
+                                sha256=hashlib.sha256(first).hexdigest()) == len(first)
+        assert (tmp_path / "theirs.bin").read_bytes() == first
+        settled = (await n.js.stream_info(stream)).state.messages
+
+        # a write whose source fails half-way, and one cancelled half-way, leave no chunks behind
+        reads: list[int] = []
+
+        def failing_read(size: int) -> bytes:
+            reads.append(size)
+            if len(reads) > 3:
+                raise OSError("read error")
+            return os.urandom(size)
+
+        with pytest.raises(OSError, match="read error"):
+            await n._write_object(store, bucket, "broken", failing_read)
+        reads.clear()
+        with anyio.CancelScope() as scope:
+            def cancelling_read(size: int) -> bytes:
+                reads.append(size)
+                if len(reads) == 3:
+                    anyio.from_thread.run_sync(scope.cancel)
+                return os.urandom(size)
+
+            await n._write_object(store, bucket, "cancelled", cancelling_read)
+        assert scope.cancelled_caught
+        assert (await n.js.stream_info(stream)).state.messages == settled
+        with pytest.raises(NatsError, match="not found"):
+            await n.get_file(bucket, "broken", tmp_path / "broken.bin")
+        assert not (tmp_path / "broken.bin").exists() and not (tmp_path / "broken.bin.part").exists()
 
 
 async def test_nats_kv_put_get_watch(nats_url, unique_name):
