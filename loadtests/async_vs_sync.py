@@ -13,12 +13,16 @@ Headline: ``speedup`` = time the sync run needs to reach the reward the async ru
 async run's time (falls back to the time for the same number of learner steps when the sync run
 never reaches it: ``speedup_steps``).
 
+With ``--rounds K`` it runs K sync/async pairs on the same warm-started model, alternating which mode
+goes first, and prints each pair's same-steps ratio with their mean and 95% interval: on a machine
+whose speed drifts by tens of percent, one pair says little.
+
 Beside it, how busy the machine's CPUs were during each run (``/proc/stat``: 1 - idle / total over
 all cores): asynchrony can only fill time a stage would otherwise leave idle, so the same-steps
 speed-up on this machine is bounded by about ``async_cpu_busy / sync_cpu_busy`` (when both runs do
 the same CPU work); a sync run that already keeps every core busy leaves nothing to overlap.
 
-    python loadtests/async_vs_sync.py [--quick] [--json out.json] [--steps N] [--staleness S]
+    python loadtests/async_vs_sync.py [--quick] [--json out.json] [--steps N] [--staleness S] [--rounds K]
 
 With no --bootstrap / --nats (or ROLLOUT_KAFKA_BOOTSTRAP / ROLLOUT_NATS_URL) it starts a private
 broker and nats-server and stops them at the end.
@@ -125,16 +129,22 @@ async def main_async(args: argparse.Namespace) -> dict:
         model_dir = root / "model"
         print(f"warm start ({plan.sft_steps} steps)", flush=True)
         await anyio.to_thread.run_sync(warm_start, model_dir, plan)
-        results = {}
-        for mode, staleness in (("sync", 0), ("async", args.staleness)):
-            run_dir = root / mode
-            cfg = default_config(f"avs-{mode}-{int(time.time())}", bootstrap, nats_url, run_dir, plan)
-            cfg = cfg.model_copy(update={
-                "scheduler": cfg.scheduler.model_copy(update={"max_staleness": staleness}),
-                "inference": cfg.inference.model_copy(update={"model_dir": str(model_dir)}),
-                "learner": cfg.learner.model_copy(update={"max_steps": plan.steps}),
-            })
-            results[mode] = await one_run(cfg, run_dir, plan.steps, mode, args.window)
+        runs: list[dict[str, RunResult]] = []
+        for r in range(args.rounds):
+            # alternate which mode goes first, so neither always runs on a warmer (or tireder) machine
+            order = (("sync", 0), ("async", args.staleness))
+            results = {}
+            for mode, staleness in (order if r % 2 == 0 else order[::-1]):
+                run_dir = root / f"{mode}-{r}"
+                cfg = default_config(f"avs-{mode}-{r}-{int(time.time())}", bootstrap, nats_url, run_dir, plan)
+                cfg = cfg.model_copy(update={
+                    "scheduler": cfg.scheduler.model_copy(update={"max_staleness": staleness}),
+                    "inference": cfg.inference.model_copy(update={"model_dir": str(model_dir)}),
+                    "learner": cfg.learner.model_copy(update={"max_steps": plan.steps}),
+                })
+                results[mode] = await one_run(cfg, run_dir, plan.steps, mode, args.window)
+            runs.append(results)
+    results = runs[0]
     sync, asyn = results["sync"], results["async"]
     target = min(asyn.final_reward(), max((r for _, r in sync.curve), default=0.0))
     t_sync, t_async = sync.time_to(target), asyn.time_to(target)
@@ -149,12 +159,32 @@ async def main_async(args: argparse.Namespace) -> dict:
         "cpus": os.cpu_count(), "sync_cpu_busy": round(sync.cpu_busy, 3), "async_cpu_busy": round(asyn.cpu_busy, 3),
     })
     out["speedup"] = round(t_sync / t_async, 3) if t_sync and t_async else out["speedup_steps"]
+    # over all rounds: the same-steps ratio of each round (sync seconds / async seconds), mean and 95% interval
+    ratios = [rr["sync"].seconds / rr["async"].seconds for rr in runs]
+    out["rounds"] = len(runs)
+    out["speedup_steps_per_round"] = [round(x, 3) for x in ratios]
+    out["speedup_steps_mean"] = round(sum(ratios) / len(ratios), 3)
+    if len(ratios) > 1:
+        mean = sum(ratios) / len(ratios)
+        sd = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) ** 0.5
+        half = 1.96 * sd / len(ratios) ** 0.5
+        out["speedup_steps_ci95"] = [round(mean - half, 3), round(mean + half, 3)]
+    out["sync_cpu_busy_mean"] = round(sum(rr["sync"].cpu_busy for rr in runs) / len(runs), 3)
+    out["async_cpu_busy_mean"] = round(sum(rr["async"].cpu_busy for rr in runs) / len(runs), 3)
     print(f"\n{'run':<8}{'seconds':>9}{'steps':>7}{'samples':>9}{'final reward':>14}{'t(target)':>11}"
           f"{'CPUs busy':>11}")
     for r, t in ((sync, t_sync), (asyn, t_async)):
         print(f"{r.mode:<8}{r.seconds:>9.1f}{r.steps:>7}{r.samples:>9}{r.final_reward():>14.3f}"
               f"{'' if t is None else f'{t:.1f}':>11}{r.cpu_busy:>11.0%}")
     print(f"\nspeedup (time to reward {target:.3f}): {out['speedup']}x; same steps: {out['speedup_steps']}x")
+    if len(runs) > 1:
+        print(f"\n{'round':<7}{'first':>7}{'sync s':>9}{'async s':>9}{'same-steps ratio':>18}{'CPUs busy sync/async':>22}")
+        for r, rr in enumerate(runs):
+            print(f"{r:<7}{'sync' if r % 2 == 0 else 'async':>7}{rr['sync'].seconds:>9.1f}{rr['async'].seconds:>9.1f}"
+                  f"{ratios[r]:>18.3f}{rr['sync'].cpu_busy:>13.0%} / {rr['async'].cpu_busy:.0%}")
+        ci = out.get("speedup_steps_ci95")
+        print(f"same-steps speedup over {len(runs)} rounds: mean {out['speedup_steps_mean']}x"
+              + (f" (95% interval {ci[0]}..{ci[1]})" if ci else ""))
     return out
 
 
@@ -176,10 +206,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="learner steps per run (default 12; 4 with --quick)")
     p.add_argument("--staleness", type=int, default=2, help="max_staleness of the async run (default 2)")
     p.add_argument("--window", type=int, default=64, help="samples in the running reward mean (default 64)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="sync/async pairs, alternating which goes first; prints the mean same-steps ratio and "
+                        "its 95%% interval (the headline figures stay those of the first pair)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bootstrap", default=os.environ.get("ROLLOUT_KAFKA_BOOTSTRAP"))
     p.add_argument("--nats", default=os.environ.get("ROLLOUT_NATS_URL"))
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     out = anyio.run(main_async, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
