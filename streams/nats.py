@@ -164,7 +164,8 @@ class Nats:
             while data := await anyio.to_thread.run_sync(read, OBJ_DEFAULT_CHUNK_SIZE):
                 digest.update(data)
                 size, chunks = size + len(data), chunks + 1
-                acks.append(await js.publish_async(chunk_subject, data))
+                with anyio.CancelScope(shield=True):  # a chunk sent is a chunk whose ack is waited for
+                    acks.append(await js.publish_async(chunk_subject, data))
                 if len(acks) >= PUT_WINDOW:
                     await acks.popleft()  # raises the server's error for that chunk, if any
             while acks:
@@ -176,13 +177,18 @@ class Nats:
                 options=ObjectMetaOptions(max_chunk_size=OBJ_DEFAULT_CHUNK_SIZE))
             meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=bucket,
                                                         obj=base64.urlsafe_b64encode(name.encode()).decode())
-            await js.publish(meta_subject, json.dumps(info.as_dict()).encode(),
-                             headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+            with anyio.CancelScope(shield=True):  # a metadata message sent half-way could outlive the purge
+                await js.publish(meta_subject, json.dumps(info.as_dict()).encode(),
+                                 headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
         except BaseException:
-            for ack in acks:
-                ack.cancel()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Exception):
-                await js.purge_stream(stream, subject=chunk_subject)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2 * self.cfg.timeout_s):
+                # Every chunk sent is stored (acknowledged) before the purge: the purge is handled apart
+                # from the stream's intake and could otherwise run ahead of a chunk and leave it behind.
+                for ack in acks:
+                    with contextlib.suppress(Exception):
+                        await ack
+                with contextlib.suppress(Exception):
+                    await js.purge_stream(stream, subject=chunk_subject)
             raise
         if existing is not None and not existing.deleted:
             with contextlib.suppress(NotFoundError):
