@@ -46,16 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.domains import score  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.schemas import Experience  # noqa: E402
+from loadtests._stats import ci95, machine_cpu_jiffies  # noqa: E402
 from ops.demo import DemoPlan, _quiet_libraries, default_config, warm_start  # noqa: E402
 from streams.kafka import Consumer  # noqa: E402
-
-
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU time of the whole machine so far, all cores, from ``/proc/stat``."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    total = sum(fields[:8])  # guest time is already counted in user
-    return total - idle, total
 
 
 @dataclasses.dataclass
@@ -87,7 +80,7 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
         watch = Consumer(cfg.kafka, topics=[d.rt.names.experience], group=f"{cfg.namespace}.bench",
                          expect=("experience",))
         async with watch, anyio.create_task_group() as tg:
-            started, jiffies0 = time.monotonic(), cpu_jiffies()
+            started, jiffies0 = time.monotonic(), machine_cpu_jiffies()
             tg.start_soon(d.run)
             step, last_step, last_progress = 0, 0, started
             while step < steps and not d.supervisor.finished("learner"):
@@ -108,7 +101,7 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
                     r.ack()
                 learner = d.supervisor.actors.get("learner")
                 step = int(learner.statistics().get("step", 0)) if learner is not None else 0
-            seconds, jiffies1 = time.monotonic() - started, cpu_jiffies()
+            seconds, jiffies1 = time.monotonic() - started, machine_cpu_jiffies()
             busy = (jiffies1[0] - jiffies0[0]) / max(1, jiffies1[1] - jiffies0[1])
             print(f"  {mode}: {step} steps in {seconds:.1f}s, {samples} samples, CPUs {busy:.0%} busy", flush=True)
             d.drain()
@@ -165,10 +158,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     out["speedup_steps_per_round"] = [round(x, 3) for x in ratios]
     out["speedup_steps_mean"] = round(sum(ratios) / len(ratios), 3)
     if len(ratios) > 1:
-        mean = sum(ratios) / len(ratios)
-        sd = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) ** 0.5
-        half = 1.96 * sd / len(ratios) ** 0.5
-        out["speedup_steps_ci95"] = [round(mean - half, 3), round(mean + half, 3)]
+        out["speedup_steps_ci95"] = ci95(ratios, digits=3)
     out["sync_cpu_busy_mean"] = round(sum(rr["sync"].cpu_busy for rr in runs) / len(runs), 3)
     out["async_cpu_busy_mean"] = round(sum(rr["async"].cpu_busy for rr in runs) / len(runs), 3)
     print(f"\n{'run':<8}{'seconds':>9}{'steps':>7}{'samples':>9}{'final reward':>14}{'t(target)':>11}"

@@ -38,14 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.inference.actor import InferenceActor  # noqa: E402
 from actors.runtime import Runtime  # noqa: E402
 from engine.actor import Actor  # noqa: E402
-from loadtests.tracing_overhead import PipelineStage, _ci95, _infra, bracketed  # noqa: E402
-
-
-def machine_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU time of the whole machine so far, all cores, from ``/proc/stat``."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields[:8]) - idle, sum(fields[:8])
+from loadtests._stats import ci95, machine_cpu_jiffies  # noqa: E402
+from loadtests.tracing_overhead import PipelineStage, _infra, bracketed  # noqa: E402
 
 
 class IntervalStage(PipelineStage):
@@ -65,11 +59,11 @@ class IntervalStage(PipelineStage):
         for actor in self.inference:
             actor.stream_interval = self.interval if mode == "on" else 1
         hz = os.sysconf("SC_CLK_TCK")
-        busy0, _ = machine_jiffies()
+        busy0, _ = machine_cpu_jiffies()
         chunks0 = sum(a.chunks_out for a in self.inference)
         # "on-aa": a phase labelled "on" that traces nothing (the tracing benchmark's calibration mode)
         row = await super()._run_mode(rt, "on-aa" if mode == "on" else "off", samples, otlp_endpoint)
-        busy1, _ = machine_jiffies()
+        busy1, _ = machine_cpu_jiffies()
         row["machine_cpu_ms_per_sample"] = 1000 * (busy1 - busy0) / hz / row["samples"]
         row["records_per_sample"] = (sum(a.chunks_out for a in self.inference) - chunks0) / row["samples"]
         return row
@@ -92,16 +86,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     machine_cpu = [1 + x for x in bracketed(rows, "machine_cpu_ms_per_sample", higher_is_better=False)]
     out: dict[str, Any] = {
         "interval": args.interval, "rounds": args.rounds, "samples_per_phase": rows[0]["samples"],
-        "speedup": round(float(np.mean(speedup)), 4), "speedup_ci95": _ci95(speedup),
-        "stage_cpu_ratio": round(float(np.mean(stage_cpu)), 4), "stage_cpu_ratio_ci95": _ci95(stage_cpu),
-        "machine_cpu_ratio": round(float(np.mean(machine_cpu)), 4), "machine_cpu_ratio_ci95": _ci95(machine_cpu),
+        "speedup": round(float(np.mean(speedup)), 4), "speedup_ci95": ci95(speedup),
+        "stage_cpu_ratio": round(float(np.mean(stage_cpu)), 4), "stage_cpu_ratio_ci95": ci95(stage_cpu),
+        "machine_cpu_ratio": round(float(np.mean(machine_cpu)), 4), "machine_cpu_ratio_ci95": ci95(machine_cpu),
         "samples_per_s_interval_1": round(float(np.median([r["samples_per_s"] for r in rows if r["mode"] == "off"])), 1),
         "samples_per_s_interval_n": round(float(np.median([r["samples_per_s"] for r in rows if r["mode"] == "on"])), 1),
     }
     print(f"\n{'interval ' + str(args.interval) + ' vs 1 (its neighbours)':<34}{'mean':>8}{'95% CI of mean':>20}")
     for name, values in (("throughput (x)", speedup), ("stage CPU per sample (x)", stage_cpu),
                          ("machine CPU per sample (x)", machine_cpu)):
-        ci = _ci95(values)
+        ci = ci95(values)
         print(f"{name:<34}{np.mean(values):>8.3f}{'-' if ci is None else f'{ci[0]:.3f}..{ci[1]:.3f}':>20}")
     return out
 

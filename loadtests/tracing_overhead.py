@@ -92,6 +92,7 @@ from engine.config import (EngineConfig, InferenceConfig, KafkaConfig, NatsConfi
 from engine.process import freeze_startup_heap  # noqa: E402
 from engine.schemas import Completion, Experience, Message, Task  # noqa: E402
 from engine.topics import Names  # noqa: E402
+from loadtests._stats import ci95  # noqa: E402
 from ops.telemetry import setup_tracing  # noqa: E402
 from streams.kafka import Consumer  # noqa: E402
 
@@ -472,14 +473,6 @@ def bracketed(rows: list[dict[str, Any]], key: str, higher_is_better: bool) -> l
     return out
 
 
-def _ci95(values: list[float]) -> list[float] | None:
-    """Mean +- 1.96 standard errors, or None for fewer than two values."""
-    if len(values) < 2:
-        return None
-    mean, half = float(np.mean(values)), 1.96 * float(np.std(values, ddof=1)) / len(values) ** 0.5
-    return [round(mean - half, 4), round(mean + half, 4)]
-
-
 def median_of(rows: list[dict[str, Any]], mode: str, key: str, digits: int = 4) -> float:
     """The median of ``key`` over the ``mode`` phases, rounded."""
     return round(float(np.median([r[key] for r in rows if r["mode"] == mode])), digits)
@@ -521,7 +514,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         # (+2.8% in a 100-round --aa run whose mean was +1.2%)
         "overhead_fraction": round(float(np.mean(throughput)), 4),
         # the mean's 95% interval (normal approximation over the on phases; None with one round)
-        "overhead_ci95": _ci95(throughput),
+        "overhead_ci95": ci95(throughput),
         "overhead_median": round(float(np.median(throughput)), 4),
         "overhead_min": round(min(throughput), 4),
         "overhead_max": round(max(throughput), 4),
@@ -545,7 +538,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n{'on vs its neighbours':<22}{'median':>9}{'min':>9}{'max':>9}{'mean':>9}{'95% CI of mean':>20}")
     for name, values in (("throughput overhead", throughput), ("CPU/sample overhead", cpu),
                          ("actors CPU/sample", actors_cpu), ("CPU in tracing", attributed)):
-        ci = _ci95(values)
+        ci = ci95(values)
         shown = "-" if ci is None else f"{ci[0]:+.3f}..{ci[1]:+.3f}"
         print(f"{name:<22}{np.median(values):>+9.3f}{min(values):>+9.3f}{max(values):>+9.3f}{np.mean(values):>+9.3f}"
               f"{shown:>20}")

@@ -247,7 +247,7 @@ class Nats:
         try:
             while True:
                 # next_msg, not the message iterator: it answers the server's flow-control requests,
-                # without which delivery stalls about 250 ms every 2 MiB (17 MB/s; ~1 GB/s with it)
+                # without which delivery stalls about 250 ms every 2 MiB (docs/architecture.md, Weights)
                 try:
                     msg = await sub.next_msg(timeout=self.cfg.timeout_s)
                 except nats.errors.TimeoutError:

@@ -360,9 +360,9 @@ class InferenceActor(StreamActor):
                     seen = len(chunk.output_ids)
                 if chunk.finished:
                     final = chunk
-                if len(unsent[0]) >= self.stream_interval or (chunk.finished and unsent[0]):
+                if len(unsent[0]) >= self.stream_interval:
                     self._stream_tokens(record, task, sample, unsent, chunk_headers)
-            if unsent[0]:  # the stream ended without a finished chunk: still send what it made
+            if unsent[0]:  # the rest, once the stream has ended (finished, or aborted by a weight update)
                 self._stream_tokens(record, task, sample, unsent, chunk_headers)
             assert final is not None
             kind = final.finish_type or "unknown"
@@ -413,5 +413,6 @@ class InferenceActor(StreamActor):
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()
         stats.update(weight_version=self.weight_version, samples_done=self.samples_done,
-                     tokens_out=self.tokens_out, chunks_out=self.chunks_out, resumed=self.resumed, waited_for_sandbox=self.waited_for_sandbox)
+                     tokens_out=self.tokens_out, chunks_out=self.chunks_out, resumed=self.resumed,
+                     waited_for_sandbox=self.waited_for_sandbox)
         return stats
