@@ -187,6 +187,9 @@ class TelemetryConfig(Section):
     """Export OpenTelemetry traces (OTEL_* variables configure the exporter)."""
     otlp_endpoint: str | None = None
     """OTLP/HTTP traces endpoint; None: OTEL_EXPORTER_OTLP_ENDPOINT or the SDK default."""
+    tracer: Literal["lean", "sdk"] = "lean"
+    """What records the spans: ``lean`` (ops/lean_tracer.py: the same spans, sampler, limits and
+    exporters at a fraction of the CPU) or ``sdk`` (the OpenTelemetry SDK's ``TracerProvider``)."""
     http_host: str = "127.0.0.1"
     """Host the health/metrics/dashboard server binds (loopback by default)."""
     http_port: int = Field(0, ge=0, le=65535)

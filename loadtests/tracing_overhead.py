@@ -20,11 +20,13 @@ phases around it, which cancels a steady drift of the machine or of the actors' 
 alternation the ``on`` phase always runs second and takes the drift as overhead), and the headline
 is the median of those ratios. With tracing on, every actor records and propagates its spans through
 the SDK's ``BatchSpanProcessor`` to an exporter that counts and drops them (or, with ``--otlp-endpoint``, to a real
-OTLP/HTTP backend such as ``ops/infra/jaeger.py``'s).
+OTLP/HTTP backend such as ``ops/infra/jaeger.py``'s). The spans are recorded by ``telemetry.tracer``'s
+recorder: ``--tracer lean`` (the default, as in the daemons: ``ops/lean_tracer.py``) or ``--tracer sdk`` (the
+SDK's own ``TracerProvider``).
 
     python loadtests/tracing_overhead.py [--stage pipeline|verify-reward] [--quick] [--json out.json]
                                          [--rounds K] [--aa] [--bootstrap H:P] [--nats URL]
-                                         [--otlp-endpoint URL] [--sample-ratio R]
+                                         [--otlp-endpoint URL] [--sample-ratio R] [--tracer lean|sdk]
                                          [--phase-samples N] [--clock-phases C] [--no-gc-freeze]
 
 On 2 cores the pipeline stage takes about 2 minutes with ``--quick`` and about 4 without (phases of
@@ -93,6 +95,7 @@ from engine.process import freeze_startup_heap  # noqa: E402
 from engine.schemas import Completion, Experience, Message, Task  # noqa: E402
 from engine.topics import Names  # noqa: E402
 from loadtests._stats import ci95  # noqa: E402
+from ops.lean_tracer import LeanSpan, LeanTracer  # noqa: E402
 from ops.telemetry import setup_tracing  # noqa: E402
 from streams.kafka import Consumer  # noqa: E402
 
@@ -192,7 +195,7 @@ def cpu_seconds_of(pid: int) -> float:
 
 class TracingClock:
     """CPU time spent in tracing, counted where it is spent: on the actors' thread, inside the calls they
-    make to trace (the SDK's span calls, context attach/detach, this project's ``actors.tracing``
+    make to trace (the span calls of either recorder, context attach/detach, this project's ``actors.tracing``
     helpers; the outermost call only, ``time.thread_time``), plus the span processor's export
     thread(s) (their own CPU clock). Installed for the clock phases only (not the A/B ``on`` phases,
     whose throughput it would slow); its own cost (two clock reads per call) is charged to tracing.
@@ -239,9 +242,10 @@ class TracingClock:
         self._patched.append((owner, name, original))
 
     def __enter__(self) -> TracingClock:
-        self._wrap(otel_sdk_trace.Tracer, "start_span")
-        for name in self.SPAN_METHODS:
-            self._wrap(otel_sdk_trace.Span, name)
+        for tracer_type, span_type in ((otel_sdk_trace.Tracer, otel_sdk_trace.Span), (LeanTracer, LeanSpan)):
+            self._wrap(tracer_type, "start_span")
+            for name in self.SPAN_METHODS:
+                self._wrap(span_type, name)
         for name in ("attach", "detach"):
             self._wrap(otel_context, name)
         for name in self.HELPERS:
@@ -296,7 +300,8 @@ class Stage(abc.ABC):
         """CPU time so far of the stage's inference server process (none by default)."""
         return 0.0
 
-    async def run_phases(self, phases: list[tuple[str, int]], otlp_endpoint: str | None) -> list[dict[str, Any]]:
+    async def run_phases(self, phases: list[tuple[str, int]], otlp_endpoint: str | None,
+                         tracer: str = "lean") -> list[dict[str, Any]]:
         """Warm up, then run each (mode, samples) phase; returns one row per phase."""
         rows = []
         async with contextlib.AsyncExitStack() as stack:
@@ -313,7 +318,7 @@ class Stage(abc.ABC):
                     if self.cfg.supervision.gc_freeze:  # as a Deployment does once it has started
                         freeze_startup_heap()
                     for mode, samples in phases:
-                        rows.append(await self._run_mode(rt, mode, samples, otlp_endpoint))
+                        rows.append(await self._run_mode(rt, mode, samples, otlp_endpoint, tracer))
                     for actor in actors:
                         actor.request_drain()
                     tg.cancel_scope.cancel()
@@ -322,10 +327,11 @@ class Stage(abc.ABC):
                     await results.close()
         return rows
 
-    async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None) -> dict[str, Any]:
+    async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None,
+                        tracer: str) -> dict[str, Any]:
         traced = mode in ("on", "clock")  # the --aa run labels phases "on" that trace nothing ("on-aa")
         exporter = CountingExporter() if otlp_endpoint is None else None
-        shutdown = setup_tracing(TelemetryConfig(tracing=traced, otlp_endpoint=otlp_endpoint),
+        shutdown = setup_tracing(TelemetryConfig(tracing=traced, otlp_endpoint=otlp_endpoint, tracer=tracer),
                                  "rollout-loadtest", exporter=exporter)
         clock = TracingClock()
         try:
@@ -488,7 +494,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     phases = [(mode, samples) for _ in range(args.rounds) for mode in ("off", on)] + [("off", samples)]
     phases += [("clock", samples)] * (0 if args.aa else args.clock_phases)
     with _infra(args.bootstrap, args.nats) as (bootstrap, nats_url):
-        all_rows = await stage_type(bootstrap, nats_url, gc_freeze=not args.no_gc_freeze).run_phases(phases, args.otlp_endpoint)
+        stage = stage_type(bootstrap, nats_url, gc_freeze=not args.no_gc_freeze)
+        all_rows = await stage.run_phases(phases, args.otlp_endpoint, args.tracer)
     _print_table(all_rows)
     rows = [r for r in all_rows if r["mode"] != "clock"]  # the A/B schedule: off, on, ..., off
     clock_rows = [r for r in all_rows if r["mode"] == "clock"]
@@ -506,6 +513,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "samples_per_phase": rows[0]["samples"],
         "rounds": args.rounds,
         "exporter": "otlp" if args.otlp_endpoint else "counting",
+        "tracer": args.tracer,
         "sample_ratio": 1.0 if args.sample_ratio is None else args.sample_ratio,
         "gc_freeze": not args.no_gc_freeze,
         "off_samples_per_s": median_of(rows, "off", "samples_per_s", 1),
@@ -563,6 +571,8 @@ def main() -> None:
                    help="with --bootstrap: the NATS server of the inference actor's weight subscription")
     p.add_argument("--otlp-endpoint", help="export to this OTLP/HTTP backend instead of memory")
     p.add_argument("--sample-ratio", type=float, help="record this fraction of the rollouts (default: all)")
+    p.add_argument("--tracer", choices=("lean", "sdk"), default="lean",
+                   help="what records the spans (telemetry.tracer; default lean, as the daemons)")
     p.add_argument("--phase-samples", type=int,
                    help="samples per phase (default: the stage's; shorter phases, more rounds: the machine's "
                         "slow spells fall on both sides of more comparisons)")

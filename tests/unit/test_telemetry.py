@@ -29,11 +29,11 @@ def kafka_record(headers: dict[str, str]) -> Record:
                   headers=dict(raw), timestamp_ms=0, _consumer=None)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """Tracing on for the test, exporting to memory; removed afterwards."""
+@pytest.fixture(params=["lean", "sdk"])
+def spans(request: pytest.FixtureRequest) -> Iterator[InMemorySpanExporter]:
+    """Tracing on for the test with each span recorder, exporting to memory; removed afterwards."""
     exporter = InMemorySpanExporter()
-    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True), "test", exporter=exporter)
+    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True, tracer=request.param), "test", exporter=exporter)
     try:
         yield exporter
     finally:
@@ -150,16 +150,17 @@ def test_otel_sdk_disabled_wins_over_the_config(monkeypatch: pytest.MonkeyPatch)
     assert not tracing.tracer().start_span("x").is_recording()
 
 
-def test_shutdown_flushes_and_a_later_setup_takes_over() -> None:
+@pytest.mark.parametrize("recorder", ["lean", "sdk"])
+def test_shutdown_flushes_and_a_later_setup_takes_over(recorder: str) -> None:
     first, second = InMemorySpanExporter(), InMemorySpanExporter()
-    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True), "one", exporter=first)
+    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True, tracer=recorder), "one", exporter=first)
     tracing.tracer().start_span("a").end()
     shutdown()
     shutdown()  # idempotent
     assert [s.name for s in first.get_finished_spans()] == ["a"]
     assert not tracing.tracer().start_span("dropped").is_recording()
 
-    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True), "two", exporter=second,
+    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True, tracer=recorder), "two", exporter=second,
                                        resource_attributes={"service.namespace": "ns"})
     try:
         tracing.tracer().start_span("b").end()
