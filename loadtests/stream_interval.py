@@ -55,14 +55,15 @@ class IntervalStage(PipelineStage):
         self.inference = [a for a in actors if isinstance(a, InferenceActor)]
         return actors
 
-    async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None) -> dict[str, Any]:
+    async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None,
+                        tracer: str = "lean") -> dict[str, Any]:
         for actor in self.inference:
             actor.stream_interval = self.interval if mode == "on" else 1
         hz = os.sysconf("SC_CLK_TCK")
         busy0, _ = machine_cpu_jiffies()
         chunks0 = sum(a.chunks_out for a in self.inference)
         # "on-aa": a phase labelled "on" that traces nothing (the tracing benchmark's calibration mode)
-        row = await super()._run_mode(rt, "on-aa" if mode == "on" else "off", samples, otlp_endpoint)
+        row = await super()._run_mode(rt, "on-aa" if mode == "on" else "off", samples, otlp_endpoint, tracer)
         busy1, _ = machine_cpu_jiffies()
         row["machine_cpu_ms_per_sample"] = 1000 * (busy1 - busy0) / hz / row["samples"]
         row["records_per_sample"] = (sum(a.chunks_out for a in self.inference) - chunks0) / row["samples"]

@@ -22,11 +22,13 @@ is the median of those ratios. With tracing on, every actor records and propagat
 the SDK's ``BatchSpanProcessor`` to an exporter that counts and drops them (or, with ``--otlp-endpoint``, to a real
 OTLP/HTTP backend such as ``ops/infra/jaeger.py``'s). The spans are recorded by ``telemetry.tracer``'s
 recorder: ``--tracer lean`` (the default, as in the daemons: ``ops/lean_tracer.py``) or ``--tracer sdk`` (the
-SDK's own ``TracerProvider``).
+SDK's own ``TracerProvider``); ``--tracer both`` alternates the ``on`` phases between the two (lean first),
+so both are compared with the same ``off`` phases in one run, and prints each one's figures and the
+pair-by-pair difference of their overheads (the headline stays lean's).
 
     python loadtests/tracing_overhead.py [--stage pipeline|verify-reward] [--quick] [--json out.json]
                                          [--rounds K] [--aa] [--bootstrap H:P] [--nats URL]
-                                         [--otlp-endpoint URL] [--sample-ratio R] [--tracer lean|sdk]
+                                         [--otlp-endpoint URL] [--sample-ratio R] [--tracer lean|sdk|both]
                                          [--phase-samples N] [--clock-phases C] [--no-gc-freeze]
 
 On 2 cores the pipeline stage takes about 2 minutes with ``--quick`` and about 4 without (phases of
@@ -300,9 +302,9 @@ class Stage(abc.ABC):
         """CPU time so far of the stage's inference server process (none by default)."""
         return 0.0
 
-    async def run_phases(self, phases: list[tuple[str, int]], otlp_endpoint: str | None,
-                         tracer: str = "lean") -> list[dict[str, Any]]:
-        """Warm up, then run each (mode, samples) phase; returns one row per phase."""
+    async def run_phases(self, phases: list[tuple[str, int]] | list[tuple[str, int, str]],
+                         otlp_endpoint: str | None) -> list[dict[str, Any]]:
+        """Warm up, then run each (mode, samples[, recorder]) phase; returns one row per phase."""
         rows = []
         async with contextlib.AsyncExitStack() as stack:
             rt = await stack.enter_async_context(Runtime(self.cfg, instance="loadtest", use_nats=self.use_nats))
@@ -317,8 +319,8 @@ class Stage(abc.ABC):
                     await self._phase(rt, "warmup", self.warmup_samples, traced=False)  # joins, first fetches
                     if self.cfg.supervision.gc_freeze:  # as a Deployment does once it has started
                         freeze_startup_heap()
-                    for mode, samples in phases:
-                        rows.append(await self._run_mode(rt, mode, samples, otlp_endpoint, tracer))
+                    for mode, samples, *recorder in phases:
+                        rows.append(await self._run_mode(rt, mode, samples, otlp_endpoint, *recorder))
                     for actor in actors:
                         actor.request_drain()
                     tg.cancel_scope.cancel()
@@ -328,7 +330,7 @@ class Stage(abc.ABC):
         return rows
 
     async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None,
-                        tracer: str) -> dict[str, Any]:
+                        tracer: str = "lean") -> dict[str, Any]:
         traced = mode in ("on", "clock")  # the --aa run labels phases "on" that trace nothing ("on-aa")
         exporter = CountingExporter() if otlp_endpoint is None else None
         shutdown = setup_tracing(TelemetryConfig(tracing=traced, otlp_endpoint=otlp_endpoint, tracer=tracer),
@@ -342,7 +344,7 @@ class Stage(abc.ABC):
         finally:
             shutdown()  # flushes: the batch exporter works beside the pipeline, as in a daemon
         spans = exporter.spans if exporter is not None else None
-        return {"mode": mode.removesuffix("-aa"), "samples": m.samples, "seconds": m.seconds, "samples_per_s": m.samples / m.seconds,
+        return {"mode": mode.removesuffix("-aa"), "tracer": tracer, "samples": m.samples, "seconds": m.seconds, "samples_per_s": m.samples / m.seconds,
                 "cpu_ms_per_sample": 1000 * (m.cpu_s + m.server_cpu_s) / m.samples,
                 "actors_cpu_ms_per_sample": 1000 * m.cpu_s / m.samples,
                 "gc_ms_per_sample": 1000 * m.gc_s / m.samples,
@@ -456,11 +458,12 @@ def _infra(bootstrap: str | None, nats_url: str | None) -> Iterator[tuple[str, s
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'phase':<8}{'mode':<6}{'samples':>9}{'seconds':>10}{'samples/s':>12}{'cpu ms/sample':>15}"
+    print(f"{'phase':<8}{'mode':<9}{'samples':>9}{'seconds':>10}{'samples/s':>12}{'cpu ms/sample':>15}"
           f"{'of it actors':>14}{'in tracing':>12}{'in gc':>8}{'spans':>8}")
     for i, r in enumerate(rows):
         spans = "-" if r["spans"] is None else str(r["spans"])
-        print(f"{i:<8}{r['mode']:<6}{r['samples']:>9}{r['seconds']:>10.2f}{r['samples_per_s']:>12.1f}"
+        mode = f"on/{r['tracer']}" if r["mode"] == "on" else r["mode"]
+        print(f"{i:<8}{mode:<9}{r['samples']:>9}{r['seconds']:>10.2f}{r['samples_per_s']:>12.1f}"
               f"{r['cpu_ms_per_sample']:>15.3f}{r['actors_cpu_ms_per_sample']:>14.3f}{r['in_tracing_ms_per_sample']:>12.3f}"
               f"{r['gc_ms_per_sample']:>8.3f}{spans:>8}")
 
@@ -479,6 +482,24 @@ def bracketed(rows: list[dict[str, Any]], key: str, higher_is_better: bool) -> l
     return out
 
 
+def split_by_recorder(rows: list[dict[str, Any]], recorders: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
+    """Per recorder, the :func:`bracketed` overheads of its ``on`` phases, in order: throughput
+    (``samples_per_s``), CPU per sample of the stage and of the actors' process."""
+    on_recorders = [r["tracer"] for r in rows if r["mode"] == "on"]
+    out: dict[str, dict[str, list[float]]] = {name: {} for name in recorders}
+    for key in ("samples_per_s", "cpu_ms_per_sample", "actors_cpu_ms_per_sample"):
+        overheads = bracketed(rows, key, higher_is_better=key == "samples_per_s")
+        for name in recorders:
+            out[name][key] = [v for v, t in zip(overheads, on_recorders) if t == name]
+    return out
+
+
+def paired_differences(first: list[float], second: list[float]) -> list[float]:
+    """``second[i] - first[i]``: with the recorders alternating, each phase of the second against the
+    phase of the first just before it (an unpaired last phase is left out)."""
+    return [b - a for a, b in zip(first, second)]
+
+
 def median_of(rows: list[dict[str, Any]], mode: str, key: str, digits: int = 4) -> float:
     """The median of ``key`` over the ``mode`` phases, rounded."""
     return round(float(np.median([r[key] for r in rows if r["mode"] == mode])), digits)
@@ -491,17 +512,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     stage_type = STAGES[args.stage]
     samples = args.phase_samples or stage_type.phase_samples[0 if args.quick else 1]
     on = "on-aa" if args.aa else "on"
-    phases = [(mode, samples) for _ in range(args.rounds) for mode in ("off", on)] + [("off", samples)]
-    phases += [("clock", samples)] * (0 if args.aa else args.clock_phases)
+    # --tracer both: the on phases alternate between the recorders (lean first), each still between two off phases
+    recorders = ("lean", "sdk") if args.tracer == "both" else (args.tracer,)
+    primary = recorders[0]
+    phases: list[tuple[str, int, str]] = []
+    for k in range(args.rounds):
+        phases += [("off", samples, primary), (on, samples, recorders[k % len(recorders)])]
+    phases += [("off", samples, primary)] + [("clock", samples, primary)] * (0 if args.aa else args.clock_phases)
     with _infra(args.bootstrap, args.nats) as (bootstrap, nats_url):
         stage = stage_type(bootstrap, nats_url, gc_freeze=not args.no_gc_freeze)
-        all_rows = await stage.run_phases(phases, args.otlp_endpoint, args.tracer)
+        all_rows = await stage.run_phases(phases, args.otlp_endpoint)
     _print_table(all_rows)
     rows = [r for r in all_rows if r["mode"] != "clock"]  # the A/B schedule: off, on, ..., off
     clock_rows = [r for r in all_rows if r["mode"] == "clock"]
-    throughput = bracketed(rows, "samples_per_s", higher_is_better=True)
-    cpu = bracketed(rows, "cpu_ms_per_sample", higher_is_better=False)
-    actors_cpu = bracketed(rows, "actors_cpu_ms_per_sample", higher_is_better=False)
+    by_recorder = split_by_recorder(rows, recorders)
+    throughput = by_recorder[primary]["samples_per_s"]  # the headline figures: the first recorder's
+    cpu = by_recorder[primary]["cpu_ms_per_sample"]
+    actors_cpu = by_recorder[primary]["actors_cpu_ms_per_sample"]
     on_rows = [r for r in rows if r["mode"] == "on" and r["spans"] is not None]
     # Attributed: the CPU measured inside tracing, against what the same phase spent on everything else
     # (on a CPU-bound machine, throughput falls by about this fraction). Only the clock phases measure it.
@@ -513,7 +540,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "samples_per_phase": rows[0]["samples"],
         "rounds": args.rounds,
         "exporter": "otlp" if args.otlp_endpoint else "counting",
-        "tracer": args.tracer,
+        "tracer": primary,
         "sample_ratio": 1.0 if args.sample_ratio is None else args.sample_ratio,
         "gc_freeze": not args.no_gc_freeze,
         "off_samples_per_s": median_of(rows, "off", "samples_per_s", 1),
@@ -550,6 +577,27 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         shown = "-" if ci is None else f"{ci[0]:+.3f}..{ci[1]:+.3f}"
         print(f"{name:<22}{np.median(values):>+9.3f}{min(values):>+9.3f}{max(values):>+9.3f}{np.mean(values):>+9.3f}"
               f"{shown:>20}")
+    if len(recorders) > 1:
+        # each sdk phase against the lean phase before it: the difference of their overheads, pair by pair
+        paired = paired_differences(by_recorder["lean"]["samples_per_s"], by_recorder["sdk"]["samples_per_s"])
+        out["by_recorder"] = {name: {"overhead_fraction": round(float(np.mean(f["samples_per_s"])), 4),
+                                     "overhead_ci95": ci95(f["samples_per_s"]),
+                                     "cpu_overhead_fraction": round(float(np.mean(f["cpu_ms_per_sample"])), 4),
+                                     "actors_cpu_overhead_fraction": round(float(np.mean(f["actors_cpu_ms_per_sample"])), 4),
+                                     "on_phases": len(f["samples_per_s"])}
+                              for name, f in by_recorder.items()}
+        out["sdk_minus_lean_overhead"] = round(float(np.mean(paired)), 4)
+        out["sdk_minus_lean_ci95"] = ci95(paired)
+        print(f"\n{'recorder':<10}{'on phases':>10}{'throughput overhead: mean (95% CI)':>38}{'CPU/sample':>12}"
+              f"{'actors CPU':>12}")
+        for name, f in out["by_recorder"].items():
+            ci = f["overhead_ci95"]
+            shown = f"{f['overhead_fraction']:+.3f} ({ci[0]:+.3f}..{ci[1]:+.3f})" if ci else f"{f['overhead_fraction']:+.3f}"
+            print(f"{name:<10}{f['on_phases']:>10}{shown:>38}{f['cpu_overhead_fraction']:>+12.3f}"
+                  f"{f['actors_cpu_overhead_fraction']:>+12.3f}")
+        ci = out["sdk_minus_lean_ci95"]
+        print(f"{'sdk - lean, pair by pair':<20}{out['sdk_minus_lean_overhead']:>+28.3f}"
+              + (f" ({ci[0]:+.3f}..{ci[1]:+.3f})" if ci else ""))
     out["tracing_by_call"] = clock_rows[-1]["tracing_by_call"] if clock_rows else {}
     if out["tracing_by_call"]:
         print(f"\n{'where tracing CPU goes (last clock phase)':<42}{'calls/sample':>13}{'us/sample':>11}")
@@ -571,8 +619,10 @@ def main() -> None:
                    help="with --bootstrap: the NATS server of the inference actor's weight subscription")
     p.add_argument("--otlp-endpoint", help="export to this OTLP/HTTP backend instead of memory")
     p.add_argument("--sample-ratio", type=float, help="record this fraction of the rollouts (default: all)")
-    p.add_argument("--tracer", choices=("lean", "sdk"), default="lean",
-                   help="what records the spans (telemetry.tracer; default lean, as the daemons)")
+    p.add_argument("--tracer", choices=("lean", "sdk", "both"), default="lean",
+                   help="what records the spans (telemetry.tracer; default lean, as the daemons); both: the on "
+                        "phases alternate lean, sdk (the headline is lean's; each recorder's figures and their "
+                        "pair-by-pair difference follow)")
     p.add_argument("--phase-samples", type=int,
                    help="samples per phase (default: the stage's; shorter phases, more rounds: the machine's "
                         "slow spells fall on both sides of more comparisons)")

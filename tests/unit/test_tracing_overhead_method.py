@@ -39,3 +39,19 @@ def test_overhead_has_the_sign_of_a_cost_for_throughput_and_for_cpu() -> None:
     assert bench.bracketed(slower_on, "samples_per_s", higher_is_better=True) == pytest.approx([0.10, 0.05])
     cpu = bench.bracketed(slower_on, "cost", higher_is_better=False)
     assert cpu == pytest.approx([100 / 90 - 1, 100 / 95 - 1])
+
+
+def test_alternating_recorders_are_split_and_paired() -> None:
+    bench = load_bench()
+    # off, on/lean, off, on/sdk, off, on/lean, off, on/sdk, off: lean costs 2%, sdk 6%
+    values = [100.0, 98.0, 100.0, 94.0, 100.0, 98.0, 100.0, 94.0, 100.0]
+    schedule = [{"mode": "off" if i % 2 == 0 else "on", "tracer": ("lean", "sdk")[(i // 2) % 2],
+                 "samples_per_s": v, "cpu_ms_per_sample": 1000 / v, "actors_cpu_ms_per_sample": 500 / v}
+                for i, v in enumerate(values)]
+    split = bench.split_by_recorder(schedule, ("lean", "sdk"))
+    assert split["lean"]["samples_per_s"] == pytest.approx([0.02, 0.02])
+    assert split["sdk"]["samples_per_s"] == pytest.approx([0.06, 0.06])
+    assert split["sdk"]["cpu_ms_per_sample"] == pytest.approx([100 / 94 - 1] * 2)
+    assert bench.paired_differences(split["lean"]["samples_per_s"], split["sdk"]["samples_per_s"]) == \
+        pytest.approx([0.04, 0.04])
+    assert bench.paired_differences([0.01, 0.02, 0.03], [0.05, 0.05]) == pytest.approx([0.04, 0.03])
