@@ -92,6 +92,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "machine_cpu_ratio": round(float(np.mean(machine_cpu)), 4), "machine_cpu_ratio_ci95": ci95(machine_cpu),
         "samples_per_s_interval_1": round(float(np.median([r["samples_per_s"] for r in rows if r["mode"] == "off"])), 1),
         "samples_per_s_interval_n": round(float(np.median([r["samples_per_s"] for r in rows if r["mode"] == "on"])), 1),
+        "records_per_sample_interval_1": round(float(np.median([r["records_per_sample"] for r in rows
+                                                                 if r["mode"] == "off"])), 2),
+        "records_per_sample_interval_n": round(float(np.median([r["records_per_sample"] for r in rows
+                                                                 if r["mode"] == "on"])), 2),
     }
     print(f"\n{'interval ' + str(args.interval) + ' vs 1 (its neighbours)':<34}{'mean':>8}{'95% CI of mean':>20}")
     for name, values in (("throughput (x)", speedup), ("stage CPU per sample (x)", stage_cpu),
