@@ -54,7 +54,6 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _RANDOM_TRACE_ID = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace context level 2 (API >= 1.39)
 _UNSET = Status(StatusCode.UNSET)
-_RECORD_AND_SAMPLE = sampling.Decision.RECORD_AND_SAMPLE
 
 
 class LeanTracerProvider(trace_api.TracerProvider):
@@ -69,7 +68,6 @@ class LeanTracerProvider(trace_api.TracerProvider):
         self.processors: tuple[SpanProcessor, ...] = ()
         self._static = _static_decisions(self.sampler)
         self._random_ids = bool(getattr(self.ids, "is_trace_id_random", lambda: False)())
-        self._tracers: dict[tuple[str, str | None, str | None], LeanTracer] = {}
         self._shut = False
 
     def add_span_processor(self, processor: SpanProcessor) -> None:
@@ -79,13 +77,9 @@ class LeanTracerProvider(trace_api.TracerProvider):
                    schema_url: str | None = None, attributes: types.Attributes = None) -> trace_api.Tracer:
         if self._shut:
             return trace_api.NoOpTracer()
-        key = (instrumenting_module_name, instrumenting_library_version, schema_url)
-        tracer = self._tracers.get(key) if not attributes else None
-        if tracer is None:
-            tracer = LeanTracer(self, InstrumentationScope(*key, attributes))
-            if not attributes:
-                self._tracers[key] = tracer
-        return tracer
+        # a new tracer per call, as the SDK's; ops/telemetry's SwitchableTracerProvider caches them per name
+        return LeanTracer(self, InstrumentationScope(instrumenting_module_name, instrumenting_library_version,
+                                                     schema_url, attributes))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time_ns() + timeout_millis * 1_000_000
@@ -166,12 +160,12 @@ class LeanTracer(trace_api.Tracer):
             random_id = _RANDOM_TRACE_ID if provider._random_ids else 0
         links = links or ()
         decision, attributes, trace_state = provider.sample(context, parent, trace_id, name, kind, attributes, links)
-        flags = _SAMPLED if decision is _RECORD_AND_SAMPLE or decision.is_sampled() else _NOT_SAMPLED
+        flags = _SAMPLED if decision.is_sampled() else _NOT_SAMPLED
         if random_id:
             flags = TraceFlags(flags | random_id)
         span_context = SpanContext(trace_id, provider.ids.generate_span_id(), is_remote=False, trace_flags=flags,
                                    trace_state=trace_state)
-        if decision is not _RECORD_AND_SAMPLE and not decision.is_recording():
+        if not decision.is_recording():
             return trace_api.NonRecordingSpan(span_context)
         span = LeanSpan(name, span_context, parent, kind, self, record_exception, set_status_on_exception)
         if attributes:
@@ -213,11 +207,8 @@ class _Current:
                  tb: TracebackType | None) -> None:
         span = self._span
         try:
-            if isinstance(exc, Exception) and isinstance(span, LeanSpan) and span._end_time is None:
-                if span._record_exception:
-                    span.record_exception(exc)
-                if span._set_status_on_exception:
-                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            if isinstance(exc, Exception) and isinstance(span, LeanSpan):
+                span._escaped(exc, escaped=False)  # as trace.use_span records it
         finally:
             context_api.detach(self._token)
             if self._end_on_exit:
@@ -365,12 +356,18 @@ class LeanSpan(trace_api.Span, ReadableSpan):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         """``with tracer.start_span(...) as span:`` records what escapes the block, then ends the span (the SDK's rule)."""
-        if exc is not None and self._end_time is None:
-            if self._record_exception:
-                self.record_exception(exc, escaped=True)
-            if self._set_status_on_exception:
-                self.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        if exc is not None:
+            self._escaped(exc, escaped=True)
         self.end()
+
+    def _escaped(self, exc: BaseException, escaped: bool) -> None:
+        """An exception left the span's block: record it and set the ERROR status, as the span was told to."""
+        if self._end_time is not None:
+            return
+        if self._record_exception:
+            self.record_exception(exc, escaped=escaped)
+        if self._set_status_on_exception:
+            self.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
     def end(self, end_time: int | None = None) -> None:
         if self._end_time is not None:
