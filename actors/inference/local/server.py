@@ -107,7 +107,7 @@ def _result_json(engine: LocalEngine, seq: Sequence, req: GenerateRequest, index
         "finish_reason": seq.finish_reason,
         "prompt_tokens": len(seq.prompt_ids),
         "completion_tokens": len(seq.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "weight_version": seq.weight_version,
         "output_token_weight_versions": list(seq.token_versions),
         "e2e_latency": (seq.finished_at or time.monotonic()) - seq.created,
