@@ -9,7 +9,10 @@ Everything here is built locally and deterministically (nothing is downloaded):
 - :func:`tiny_config` / :func:`build_tiny_model` make a small Llama-architecture causal LM; the learner
   trains and the inference server serves the same Hugging Face class.
 - :func:`save_model_dir` / :func:`load_model_dir` use the Hugging Face layout: ``config.json``,
-  ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``.
+  ``model.safetensors`` (or sharded, with ``model.safetensors.index.json``), ``tokenizer.json`` and
+  ``tokenizer_config.json``. :func:`load_model_dir` loads any local Llama / Qwen2 / Mistral directory
+  (a real model prepared by actors/model_prepare.py too) with the tokenizer class the directory names,
+  after :func:`actors.model_dir.check_model_dir` has checked it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,16 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from actors.model_dir import check_model_dir
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -105,7 +117,7 @@ def build_tiny_model(config: LlamaConfig, *, seed: int = 0) -> PreTrainedModel:
     return model
 
 
-def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: str | os.PathLike[str]) -> Path:
+def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike[str]) -> Path:
     """Write ``model`` and ``tokenizer`` to ``path`` in Hugging Face layout and return the path."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,13 +128,17 @@ def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, p
 
 def load_model_dir(
     path: str | os.PathLike[str], *, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Load a model directory written by :func:`save_model_dir` (or any local HF causal-LM directory)."""
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a model directory written by :func:`save_model_dir` (or any local HF causal-LM directory).
+
+    Raises :class:`actors.model_dir.ModelDirError` (naming the file) for a directory that cannot load.
+    """
+    check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
     )
     model.eval()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model, tokenizer
 
 

@@ -44,6 +44,14 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_batch < 1 or args.chunk_size < 1:
         print("rollout inference serve: --max-batch and --chunk-size must be at least 1", file=sys.stderr)
         return 2
+    if args.model_dir is not None:
+        from actors.model_dir import ModelDirError, check_model_dir
+
+        try:  # before torch loads anything: a bad directory is named with the file and what is wrong
+            check_model_dir(args.model_dir)
+        except ModelDirError as exc:
+            print(f"rollout inference serve: --model-dir: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.torch_threads > 0:
         import torch
