@@ -180,6 +180,27 @@ class LearnerConfig(Section):
     torch_threads: int = Field(1, ge=0)
     """Intra-op threads of the learner's torch (0: torch's default). On small hosts shared with the
     inference server, one thread avoids oversubscription that makes every step several times slower."""
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Token budget of one forward/backward pass (rows x padded row length); a step is split into
+    micro-batches under it and their gradients accumulated, the loss still a mean over the whole
+    step's tokens. Bounds the learner's activation memory (a row longer than the budget runs alone)."""
+    share_prefix: bool = True
+    """Pack the samples of a step that share one prompt into one row, prompt computed once (4-D
+    attention mask: each response sees the prompt and its own earlier tokens only)."""
+    logprob_chunk: int = Field(512, ge=1)
+    """Response positions per chunk of the output projection and log-softmax (memory ~ chunk x vocab)."""
+    autocast: Literal["off", "bf16"] = "off"
+    """Run the transformer body under bf16 autocast (the output projection and log-softmax stay fp32)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL estimator to the reference policy (the initial weights) added to the loss;
+    0 disables it (and the reference model's memory and forward pass)."""
+    lora_rank: int = Field(0, ge=0)
+    """Rank of LoRA adapters on the attention projections (q, k, v, o); 0 trains every weight. The
+    adapters are merged into published weights and checkpoints."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank."""
 
 
 class TelemetryConfig(Section):
