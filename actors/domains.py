@@ -455,7 +455,10 @@ _PLACES = ("garden", "kitchen", "school", "park", "library", "beach")
 
 
 def make_docqa(rng: random.Random, difficulty: float) -> GeneratedTask:
-    """A short passage of facts and a question whose one-word answer is in it."""
+    """A short passage of facts and a question whose one-word answer is in it.
+
+    Correct when the first colour or place the answer names (of those in the passage) is the right one; the
+    format score asks for the single word and nothing else."""
     people = rng.sample(_NAMES, 2 + round(2 * difficulty))
     facts, questions = [], []
     for person in people:
@@ -465,7 +468,9 @@ def make_docqa(rng: random.Random, difficulty: float) -> GeneratedTask:
         questions.append((f"Where does {person} go every day?", place))
     question, answer = rng.choice(questions)
     prompt = f"Passage: {' '.join(facts)}\nQuestion: {question} Answer with one word from the passage."
-    return GeneratedTask(prompt=prompt, spec={"answer": answer, "match": "first_word"}, ideal=answer)
+    choices = sorted({w for fact in facts for w in fact.rstrip(".").split() if w in _COLOURS or w in _PLACES})
+    return GeneratedTask(prompt=prompt, spec={"answer": answer, "match": "first_choice", "choices": choices},
+                         ideal=answer)
 
 
 def one_word_format(text: str) -> float:
