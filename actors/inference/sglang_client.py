@@ -254,6 +254,7 @@ class SGLangClient:
         self._session = session
         self._own_session = session is None
         self._rr = itertools.count()
+        self._no_weight_version_endpoint: set[str] = set()  # servers that answered /get_weight_version 404
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -585,11 +586,30 @@ class SGLangClient:
         return obj
 
     async def get_weight_version(self, url: str | None = None) -> str:
+        """The weight version ``url`` serves.
+
+        ``GET /get_weight_version`` where the server has it; upstream SGLang v0.5.15 answers it 404 (slime
+        patches it back), so on a 404 the version is read from ``/model_info`` (or ``/get_model_info``),
+        whose ``weight_version`` field every SGLang since the endpoint's removal fills; the server is then
+        remembered and asked ``/model_info`` directly from then on.
+        """
         url = url or self.urls[0]
-        status, obj = await self._request("GET", url, "/get_weight_version")
-        if not isinstance(obj, dict) or "weight_version" not in obj:
-            raise SGLangProtocolError(url, status, _excerpt(obj))
-        return str(obj["weight_version"])
+        if url not in self._no_weight_version_endpoint:
+            try:
+                status, obj = await self._request("GET", url, "/get_weight_version")
+            except SGLangError as exc:
+                if getattr(exc, "status", None) != 404:
+                    raise
+                self._no_weight_version_endpoint.add(url)
+            else:
+                if not isinstance(obj, dict) or "weight_version" not in obj:
+                    raise SGLangProtocolError(url, status, _excerpt(obj))
+                return str(obj["weight_version"])
+        info = await self.model_info(url)
+        if info.get("weight_version") is None:
+            raise SGLangProtocolError(url, 200, "neither /get_weight_version nor a weight_version in /model_info: "
+                                      + _excerpt(info))
+        return str(info["weight_version"])
 
     async def server_info(self, url: str | None = None) -> dict[str, Any]:
         url = url or self.urls[0]

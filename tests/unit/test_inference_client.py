@@ -212,3 +212,50 @@ async def test_unreachable_server_raises_connection_error() -> None:
             await client.get_weight_version()
         assert info.value.attempts == 2
         assert not await client.health_generate()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("not_found", ["aiohttp", "fastapi"])
+async def test_weight_version_falls_back_to_model_info_when_the_endpoint_is_missing(fake, not_found: str) -> None:  # type: ignore[no-untyped-def]
+    """Upstream SGLang v0.5.15 answers /get_weight_version 404; the version is in /get_model_info too."""
+    calls: dict[str, int] = {"/get_weight_version": 0, "/get_model_info": 0}
+
+    async def missing(request: web.Request) -> web.Response:
+        calls[request.path] += 1
+        if not_found == "fastapi":  # SGLang's own 404 body
+            return web.json_response({"detail": "Not Found"}, status=404)
+        raise web.HTTPNotFound()  # aiohttp's plain-text 404
+
+    async def info(request: web.Request) -> web.Response:
+        calls[request.path] += 1
+        return web.json_response({"model_path": "/models/m", "tokenizer_path": "/models/m", "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "12"})
+
+    url = await fake({"/get_weight_version": missing, "/get_model_info": info})  # no /model_info either: 404
+    async with SGLangClient([url], retries=2, backoff_s=0.001) as client:
+        assert await client.get_weight_version() == "12"
+        assert await client.get_weight_version() == "12"
+    # a 404 is not retried, and the missing endpoint is asked once, not on every call
+    assert calls == {"/get_weight_version": 1, "/get_model_info": 2}
+
+
+@pytest.mark.anyio
+async def test_weight_version_missing_everywhere_is_a_protocol_error(fake) -> None:  # type: ignore[no-untyped-def]
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "/m", "is_generation": True})
+
+    url = await fake({"/model_info": info})
+    async with SGLangClient([url], retries=0) as client:
+        with pytest.raises(SGLangProtocolError, match="weight_version"):
+            await client.get_weight_version()
+
+
+@pytest.mark.anyio
+async def test_weight_version_endpoint_errors_other_than_404_propagate(fake) -> None:  # type: ignore[no-untyped-def]
+    async def broken(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "scheduler died"}}, status=500)
+
+    url = await fake({"/get_weight_version": broken})
+    async with SGLangClient([url], retries=0) as client:
+        with pytest.raises(SGLangHTTPError, match="scheduler died"):
+            await client.get_weight_version()
