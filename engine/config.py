@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 ENV_PREFIX = "ROLLOUT__"
 ROLES = ("scheduler", "inference", "sandbox", "reward", "learner")
@@ -98,10 +98,13 @@ class SchedulerConfig(Section):
 class InferenceConfig(Section):
     backend: Literal["local", "sglang"] = "local"
     """`local`: the embedded torch server of this project; `sglang`: an external SGLang server or router."""
-    urls: list[str] = Field(default_factory=list)
+    urls: list[str] = Field(default_factory=list, validate_default=True)
     """SGLang server or router URLs (backend=sglang), or a running local server; empty: start one embedded."""
-    model_dir: str | None = None
-    """HF model directory served by the local backend; None: a tiny model built from a config."""
+    model_dir: str | None = Field(None, validate_default=True)
+    """The Hugging Face model directory this deployment serves and trains: the local backend loads it,
+    the learner starts from it, the inference actor reads its tokenizer. With backend `sglang` it is
+    required and must be the model the SGLang servers were started with (their `--model-path`, as this
+    host sees it). None (local backend only): a tiny model built from a config."""
     max_new_tokens: int = Field(64, ge=1)
     """Default generation length when the task does not say."""
     temperature: float = Field(1.0, ge=0)
@@ -120,6 +123,23 @@ class InferenceConfig(Section):
     """Tokens per ``rollout.tokens`` record: new tokens are sent once this many have come (the rest when
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and
     broker CPU) per sample at the cost of a consumer seeing tokens a few decode steps later."""
+
+
+    @field_validator("urls")
+    @classmethod
+    def _sglang_names_its_servers(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if not value and info.data.get("backend") == "sglang":
+            raise ValueError("backend 'sglang' needs the URLs of its SGLang servers or router")
+        return value
+
+    @field_validator("model_dir")
+    @classmethod
+    def _sglang_names_its_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("backend") == "sglang":
+            raise ValueError("backend 'sglang' needs the model directory its servers serve (the directory "
+                             "they were started with, `--model-path`): the learner starts from it and the "
+                             "inference actor tokenizes with it; set inference.model_dir")
+        return value
 
 
 class SandboxConfig(Section):
@@ -281,7 +301,8 @@ def _format_error(source: str, exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"{source}: {loc}: {err['msg']}")
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+        lines.append(f"{source}: {loc}: {msg}")
     return "\n".join(lines)
 
 
