@@ -67,6 +67,16 @@ def test_k8s_mounts_the_served_model_where_the_config_says() -> None:
                 assert model_dir in mounts and mounts[model_dir].get("readOnly"), d["metadata"]["name"]
 
 
+def test_k8s_inference_pods_get_the_api_key_from_the_secret() -> None:
+    docs = _k8s()
+    [secret] = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "rollout-secrets"]
+    assert "ROLLOUT__INFERENCE__API_KEY" in secret["stringData"]
+    [inference] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "rollout-inference"]
+    [container] = inference["spec"]["template"]["spec"]["containers"]
+    assert {"secretRef": {"name": "rollout-secrets"}} in container["envFrom"]
+    assert load_config(DEPLOY / "examples" / "deploy.toml", environ={}).inference.api_key is None  # not in the file
+
+
 def test_configmap_carries_the_example_config() -> None:
     [cm] = [d for d in _k8s() if d["kind"] == "ConfigMap"]
     assert cm["data"]["deploy.toml"] == (DEPLOY / "examples" / "deploy.toml").read_text()
