@@ -135,7 +135,6 @@ class InferenceConfig(Section):
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and
     broker CPU) per sample at the cost of a consumer seeing tokens a few decode steps later."""
 
-
     @field_validator("urls")
     @classmethod
     def _sglang_names_its_servers(cls, value: list[str], info: ValidationInfo) -> list[str]:
@@ -151,7 +150,6 @@ class InferenceConfig(Section):
                              "they were started with, `--model-path`): the learner starts from it and the "
                              "inference actor tokenizes with it; set inference.model_dir")
         return value
-
 
     @model_validator(mode="after")
     def _one_api_key_source(self) -> "InferenceConfig":
