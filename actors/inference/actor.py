@@ -120,7 +120,7 @@ class InferenceActor(StreamActor):
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
         cfg = self.rt.cfg.inference
-        self.client = SGLangClient(self.urls, timeout=cfg.request_timeout_s)
+        self.client = SGLangClient(self.urls, timeout=cfg.request_timeout_s, api_key=cfg.resolved_api_key())
         self.weight_version = _version_int(await self.client.get_weight_version(), 0)
         self.results = await Consumer(
             self.rt.cfg.kafka, assign=[(self.rt.names.sandbox_results, self.reply_partition)],
