@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from sandboxes import _aio
 from sandboxes.base import OutputCap
@@ -17,7 +18,7 @@ KILL_GRACE_S = 2.0
 """How long to wait for pipes to close after a kill before giving up on the output."""
 
 
-async def reply(control: socket.socket, seq: int) -> dict[str, object] | None:
+async def reply(control: socket.socket, seq: int) -> dict[str, Any] | None:
     """The init's reply to request ``seq``; None if the init is gone."""
     loop = asyncio.get_running_loop()
     while True:
@@ -39,10 +40,11 @@ async def run(
     output_bytes: int,
     kill: Callable[[], Awaitable[None]],
     kill_now: Callable[[], None],
-) -> tuple[int | None, OutputCap, OutputCap, bool]:
+) -> tuple[dict[str, Any] | None, OutputCap, OutputCap, bool]:
     """Send exec ``request`` (number ``seq``) to the init and collect its output.
 
-    Returns (exit code, or None if the init is gone; stdout; stderr; timed out). At ``timeout`` the
+    Returns (the init's reply ``{"seq", "exit_code", ...}``, or None if the init is gone; stdout;
+    stderr; timed out). At ``timeout`` the
     command's processes are killed with ``kill`` (everything but the init); if this coroutine is
     cancelled, with ``kill_now``, which must not await (a second cancellation could land there).
     """
@@ -55,7 +57,7 @@ async def run(
     tasks: list[asyncio.Future[object]] = []
     finished = False
     timed_out = False
-    exit_code: int | None = None
+    message: dict[str, Any] | None = None
     try:
         try:
             socket.send_fds(control, [request], [fd for fd in (in_r, out_w, err_w) if fd >= 0])
@@ -82,7 +84,6 @@ async def run(
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         message = answer.result() if answer.done() and not answer.cancelled() else None
-        exit_code = int(message["exit_code"]) if message is not None else None  # type: ignore[call-overload]
         for task in tasks:
             if task is not answer and task.done() and not task.cancelled():
                 task.result()
@@ -96,4 +97,4 @@ async def run(
                 await asyncio.gather(*tasks, return_exceptions=True)
         for fd in ours + ([in_w] if in_w >= 0 else []):
             os.close(fd)
-    return exit_code, out_cap, err_cap, timed_out
+    return message, out_cap, err_cap, timed_out

@@ -436,12 +436,12 @@ class BwrapSandbox(Sandbox):
         oom_before = self.cgroups.oom_kills()
         # We may be cancelled again at any await of the cleanup, so that kill does not await:
         # SIGKILLed processes leave the cgroup within a millisecond or two.
-        exit_code, out_cap, err_cap, timed_out = await _init_client.run(
+        reply, out_cap, err_cap, timed_out = await _init_client.run(
             init.control, self._seq, request, stdin, timeout - (time.perf_counter() - start), self.limits.output_bytes,
             kill=lambda: self._kill_cgroup(keep=init.pids), kill_now=lambda: self._kill_cgroup_now(keep=init.pids))
-        if exit_code is None:  # the init died (OOM-killed) or hung: the next exec starts a new one
+        if reply is None:  # the init died (OOM-killed) or hung: the next exec starts a new one
             await self._stop_init()
-            exit_code = 137
+        exit_code = int(reply["exit_code"]) if reply is not None else 137
         oom_killed = self.cgroups.oom_kills() > oom_before
         return ExecResult(
             exit_code=exit_code,

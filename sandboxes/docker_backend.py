@@ -13,12 +13,15 @@ socket file is removed as soon as the init is connected). Each exec is one messa
 ends of this process's pipes, exactly as for bwrap: no ``docker exec`` (a runc process, several API
 round trips) on the path of a command. Hence the engine must run on this host.
 
-Reset, on the lease path, is one message too: the init SIGKILLs every other process, empties /work,
-/tmp, /verify, /dev/shm and /dev/mqueue as their owners, restores /work's mode and removes the sandbox
-user's System V IPC objects. The environment of every command is :data:`SANDBOX_ENV` plus what the
-call passes, so nothing of an episode survives it. If a reset fails or the init died, the container is
-replaced (the old, slow way). A timeout SIGKILLs, from the host, everything in the container's cgroup
-but the init.
+Reset, on the lease path, needs no round trip either: from the host, everything in the container's
+cgroup but the init is SIGKILLed, and /work, /tmp, /verify, /dev/shm and /dev/mqueue are emptied
+through ``/proc/<init>/root`` by directory descriptors (links are removed, never followed), /work's
+owner and mode restored. System V IPC objects live in the container's IPC namespace, out of the host's
+sight: the init reports after each exec whether any exist, and then the reset is a message to the
+init, which does the same and removes them. The environment of every command is
+:data:`SANDBOX_ENV` plus what the call passes, so nothing of an episode survives a reset. If a reset
+fails or the init died, the container is replaced (the old, slow way). A timeout SIGKILLs, from the
+host, everything in the container's cgroup but the init.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class DockerSandbox(Sandbox):
         self._closed = False
         self._lock = asyncio.Lock()
         self._seq = 0
+        self._ipc_used = False
+        """An exec left System V IPC objects: the next reset asks the init (we cannot see them)."""
 
     @classmethod
     async def create(cls, limits: Limits | None = None) -> DockerSandbox:
@@ -304,12 +309,13 @@ class DockerSandbox(Sandbox):
             assert self.control is not None
             request = self._request(argv, env, cwd, stdin is not None, user)
             oom_before = self._oom_count()
-            exit_code, out, err, timed_out = await _init_client.run(
+            reply, out, err, timed_out = await _init_client.run(
                 self.control, self._seq, request, stdin, timeout - (time.perf_counter() - start), output_bytes,
                 kill=self._kill, kill_now=self._kill_now)
-            if exit_code is None:  # the init died (OOM-killed): the next call starts a new container
+            if reply is None:  # the init died (OOM-killed): the next call starts a new container
                 self._drop_control()
-                exit_code = 137
+            exit_code = int(reply["exit_code"]) if reply is not None else 137
+            self._ipc_used = self._ipc_used or reply is None or bool(reply.get("ipc", True))
             oom_killed = self._oom_count() > oom_before
         return ExecResult(
             exit_code=exit_code,
@@ -378,18 +384,53 @@ class DockerSandbox(Sandbox):
             if not self._alive():
                 await self._replace()
                 return
-            assert self.control is not None
-            self._seq += 1
-            request = json.dumps({"seq": self._seq, "op": "reset", "wipe": WIPE, "ipc": UID}).encode()
             try:
-                await asyncio.get_running_loop().sock_sendall(self.control, request)
-                answer = await asyncio.wait_for(_init_client.reply(self.control, self._seq), START_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError) as exc:
-                answer = {"exit_code": 1, "error": repr(exc)}
-            if answer is None or answer.get("exit_code") != 0:
-                log.warning("%s: reset in place failed (%s); replacing the container", self.id,
-                            "init gone" if answer is None else answer.get("error"))
+                if self._ipc_used:
+                    await self._reset_by_init()
+                else:
+                    await self._kill()
+                    self._wipe()
+                self._ipc_used = False
+            except (OSError, SandboxError, asyncio.TimeoutError) as exc:
+                log.warning("%s: reset in place failed (%s); replacing the container", self.id, exc)
                 await self._replace()
+
+    def _wipe(self) -> None:
+        """Empty what :data:`WIPE` names from the host, through the init's root (/proc/PID/root), by
+        directory descriptors: no link the code planted is followed. Nothing but the init runs."""
+        root = os.open(f"/proc/{self.init_pid}/root", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for path, uid, gid, mode in WIPE:
+                try:
+                    fd = os.open(str(path).lstrip("/"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root)
+                except FileNotFoundError:
+                    continue
+                try:
+                    with os.scandir(fd) as entries:
+                        for entry in entries:
+                            if entry.is_dir(follow_symlinks=False):
+                                shutil.rmtree(entry.name, dir_fd=fd)
+                            else:
+                                os.unlink(entry.name, dir_fd=fd)
+                    if mode is not None:
+                        os.fchown(fd, uid, gid)
+                        os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root)
+
+    async def _reset_by_init(self) -> None:
+        """The init kills the rest, empties :data:`WIPE` and removes the sandbox user's IPC objects."""
+        assert self.control is not None
+        self._seq += 1
+        request = json.dumps({"seq": self._seq, "op": "reset", "wipe": WIPE, "ipc": UID}).encode()
+        await asyncio.get_running_loop().sock_sendall(self.control, request)
+        answer = await asyncio.wait_for(_init_client.reply(self.control, self._seq), START_TIMEOUT_S)
+        if answer is None:
+            raise SandboxError("the init is gone")
+        if answer.get("exit_code") != 0:
+            raise SandboxError(str(answer.get("error")))
 
     async def close(self) -> None:
         if self._closed:
