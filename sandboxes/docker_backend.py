@@ -114,6 +114,9 @@ class DockerSandbox(Sandbox):
         self.init_pid = 0
         """The init's pid on the host."""
         self._cgroups: dict[str, Path] = {}
+        self._root_fd = -1
+        """The container's root directory, opened through the init at start: a recycled pid can never
+        point a reset at another process's files."""
         self._closed = False
         self._lock = asyncio.Lock()
         self._seq = 0
@@ -166,6 +169,7 @@ class DockerSandbox(Sandbox):
         await asyncio.to_thread(self.container.reload)
         self.init_pid = int(self.container.attrs["State"]["Pid"])
         self._cgroups = _cgroup_dirs(self.init_pid)
+        self._root_fd = os.open(f"/proc/{self.init_pid}/root", os.O_RDONLY | os.O_DIRECTORY)
 
     def _logs(self) -> str:
         try:
@@ -360,12 +364,24 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"{self.id} is closed")
 
     def _alive(self) -> bool:
-        return self.control is not None
+        """The init is there: our end of its socket has not seen it close (a reply left over from a
+        cancelled exec may be waiting; that is not an end)."""
+        if self.control is None:
+            return False
+        try:
+            return bool(self.control.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
 
     def _drop_control(self) -> None:
         if self.control is not None:
             self.control.close()
             self.control = None
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
 
     async def _remove_container(self) -> None:
         self._drop_control()
@@ -388,6 +404,8 @@ class DockerSandbox(Sandbox):
                 if self._ipc_used:
                     await self._reset_by_init()
                 else:
+                    if self.init_pid not in self.host_pids():
+                        raise SandboxError("the init is gone")
                     await self._kill()
                     self._wipe()
                 self._ipc_used = False
@@ -396,29 +414,27 @@ class DockerSandbox(Sandbox):
                 await self._replace()
 
     def _wipe(self) -> None:
-        """Empty what :data:`WIPE` names from the host, through the init's root (/proc/PID/root), by
-        directory descriptors: no link the code planted is followed. Nothing but the init runs."""
-        root = os.open(f"/proc/{self.init_pid}/root", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for path, uid, gid, mode in WIPE:
-                try:
-                    fd = os.open(str(path).lstrip("/"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root)
-                except FileNotFoundError:
-                    continue
-                try:
-                    with os.scandir(fd) as entries:
-                        for entry in entries:
-                            if entry.is_dir(follow_symlinks=False):
-                                shutil.rmtree(entry.name, dir_fd=fd)
-                            else:
-                                os.unlink(entry.name, dir_fd=fd)
-                    if mode is not None:
-                        os.fchown(fd, uid, gid)
-                        os.fchmod(fd, mode)
-                finally:
-                    os.close(fd)
-        finally:
-            os.close(root)
+        """Empty what :data:`WIPE` names from the host, below the container's root (opened through
+        /proc/<init>/root at start), by directory descriptors: no link the code planted is followed.
+        Nothing but the init runs. If the container died, its tmpfs mounts are gone and this fails on
+        the read-only directories beneath (the caller then replaces the container)."""
+        for path, uid, gid, mode in WIPE:
+            try:
+                fd = os.open(str(path).lstrip("/"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._root_fd)
+            except FileNotFoundError:
+                continue
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            shutil.rmtree(entry.name, dir_fd=fd)
+                        else:
+                            os.unlink(entry.name, dir_fd=fd)
+                if mode is not None:
+                    os.fchown(fd, uid, gid)
+                    os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
 
     async def _reset_by_init(self) -> None:
         """The init kills the rest, empties :data:`WIPE` and removes the sandbox user's IPC objects."""

@@ -3,8 +3,11 @@ refused, reset in place. The attack suite (tests/integration/test_sandbox_bwrap.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 
 from sandboxes import Limits, Sandbox, SandboxPool, open_sandbox
@@ -144,3 +147,26 @@ async def test_reset_gives_a_pristine_sandbox(docker_engine: object) -> None:
             result = await sb.exec("ls -A /work /tmp; ps -o args | grep -c '[s]leep 300' || true")
             assert "keep.txt" not in result.stdout and "t\n" not in result.stdout.split("/tmp:")[1], result
             assert result.stdout.split()[-1] == "0"
+
+
+@pytest.mark.anyio
+async def test_a_dead_init_is_replaced_at_reset(sandbox: Sandbox) -> None:
+    old = sandbox.container.id  # type: ignore[attr-defined]
+    await sandbox.write_files({"old.txt": "x"})
+    (init,) = sandbox.init_pids  # type: ignore[attr-defined]
+    os.kill(init, signal.SIGKILL)  # the container ends with its pid 1
+    with anyio.fail_after(10):
+        while _state(init) not in ("", "Z"):
+            await anyio.sleep(0.01)
+    await sandbox.reset()
+    assert sandbox.container.id != old  # type: ignore[attr-defined]
+    result = await sandbox.exec("ls -A /work; echo back")
+    assert result.stdout == "back\n", result
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
