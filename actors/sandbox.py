@@ -191,6 +191,10 @@ class SandboxResources:
             raise RuntimeError("SandboxResources is not acquired")
         return self._pool
 
+    def pool_statistics(self) -> dict[str, int] | None:
+        """The shared pool's :class:`~sandboxes.pool.PoolStatistics` as a dict; None while no pool runs."""
+        return dataclasses.asdict(self._pool.statistics()) if self._pool is not None else None
+
     @property
     def max_episodes(self) -> int:
         return max(1, int(self.cfg.max_sandboxes * self.settings.episode_share))
@@ -252,6 +256,14 @@ class _SandboxActorBase(StreamActor):
             if self._holding:
                 self._holding = False
                 await self.resources.release()
+
+    def statistics(self) -> dict[str, Any]:
+        """The stream actor's counters and ``pool``: the shared pool's idle / in_use / created / resets /
+        reaped / trimmed (both sandbox actors of a process report the same pool)."""
+        stats = super().statistics()
+        if (pool := self.resources.pool_statistics()) is not None:
+            stats["pool"] = pool
+        return stats
 
 
 # -- episodes ---------------------------------------------------------------------------------------
