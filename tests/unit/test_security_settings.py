@@ -3,10 +3,12 @@ drain endpoint's token check (in-process HTTP server on loopback, nothing extern
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
+from nats.aio.client import Client
 
 from engine.actor import Supervisor
 from engine.config import KafkaConfig, NatsConfig, TelemetryConfig
@@ -15,7 +17,7 @@ from ops.infra import InfraConfig
 from ops.infra.kafka_broker import render_server_properties
 from ops.infra.secure import SecureKafkaBroker, SecureNatsServer, SelfSignedCA
 from streams.kafka import client_security
-from streams.nats import connect_options
+from streams.nats import Nats, NatsError, connect_options
 
 
 def infra(tmp_path: Path) -> InfraConfig:
@@ -41,6 +43,36 @@ def test_nats_connect_options_carry_credentials() -> None:
     assert connect_options(NatsConfig(token="t"))["token"] == "t"
     assert connect_options(NatsConfig(credentials="/x.creds"))["user_credentials"] == "/x.creds"
     assert not {"user", "password", "token", "user_credentials"} & connect_options(NatsConfig()).keys()
+
+
+def test_nats_credentials_without_nkeys_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "nkeys", None)  # import nkeys now raises ImportError
+    with pytest.raises(NatsError, match=r"nats.credentials=/x.creds needs the nkeys package"):
+        connect_options(NatsConfig(credentials="/x.creds"))
+
+
+@pytest.mark.anyio
+async def test_nats_connect_failing_before_setup_reports_its_own_error(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """nats-py reads the credentials before it sets up its queues; a failure there must surface as itself,
+    not as the ``Client.connect must be called first`` of closing a client that never started."""
+    def unreadable(self: Client) -> None:
+        raise PermissionError("credentials unreadable")
+
+    monkeypatch.setattr(Client, "_setup_nkeys_connect", unreadable)
+    creds = write_creds(tmp_path / "u.creds")
+    with pytest.raises(NatsError, match=r"could not connect to NATS at nats://127.0.0.1:1: PermissionError: "
+                                        r"credentials unreadable"):
+        await Nats(NatsConfig(url="nats://127.0.0.1:1", credentials=str(creds), timeout_s=5)).connect()
+
+
+def write_creds(path: Path) -> Path:
+    """A well-formed .creds file of a made-up user (nothing verifies its JWT here)."""
+    from ops.infra.secure import NKey, encode_jwt, format_creds
+
+    account, user = NKey.generate("account"), NKey.generate("user")
+    path.write_text(format_creds(encode_jwt(account, user.public, "u", {"type": "user"}), user))
+    return path
 
 
 def test_secure_broker_properties(tmp_path: Path) -> None:
