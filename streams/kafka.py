@@ -38,7 +38,7 @@ from kafka.net.compat import KafkaNetClient
 from kafka.net.selector import NetworkSelector as _KafkaNetworkSelector
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from engine.config import KafkaConfig
+from engine.config import KafkaConfig, check_files
 from engine.schemas import DeadLetter, Message
 from streams.codec import DecodeError, Envelope, decode, encode
 from streams.offsets import OffsetTracker
@@ -192,6 +192,7 @@ def _wait_topics_visible(admin: KafkaAdminClient, topics: dict[str, int], timeou
 
 async def ensure_topics(cfg: KafkaConfig, topics: dict[str, int]) -> None:
     """Create missing topics with their partition counts (and grow existing ones); waits until usable."""
+    check_files(cfg)
     try:
         await anyio.to_thread.run_sync(_ensure_topics_sync, cfg, topics)
     except KafkaError as exc:
@@ -237,6 +238,7 @@ class Producer:
         self.errors = 0
 
     async def start(self) -> "Producer":
+        check_files(self.cfg)
         self._loop = asyncio.get_running_loop()
         self._room.set()
         self._all_acked.set()
@@ -509,6 +511,7 @@ class Consumer:
         self.assigned: set[tuple[str, int]] = set()
 
     async def start(self) -> "Consumer":
+        check_files(self.cfg)
         try:
             self._consumer = await anyio.to_thread.run_sync(self._make)
         except KafkaError as exc:

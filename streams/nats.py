@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import (MSG_ROLLUP_SUBJECT, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DEFAULT_CHUNK_SIZE, OBJ_DIGEST_TEMPLATE,
                                   OBJ_DIGEST_TYPE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore)
 
-from engine.config import NatsConfig
+from engine.config import NatsConfig, check_files
 
 
 PUT_WINDOW = 64
@@ -82,6 +82,7 @@ class Nats:
             if not last_error or isinstance(last_error[0], OSError) or not isinstance(exc, OSError):
                 last_error[:] = [exc]
 
+        check_files(self.cfg)  # nats-py reads the credentials only after connecting (and hangs on a bad file)
         options = connect_options(self.cfg)
         nc = Client()
         try:

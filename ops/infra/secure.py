@@ -81,6 +81,39 @@ def make_test_ca(directory: Path, password: str = "rollout-test") -> SelfSignedC
     return ca
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientCertificate:
+    """A client's PEM certificate and unencrypted key: ``kafka.ssl_certfile`` / ``kafka.ssl_keyfile``."""
+
+    cert: Path
+    key: Path
+
+
+def make_client_cert(ca_dir: Path, name: str) -> ClientCertificate:
+    """A client certificate (CN=``name``, extendedKeyUsage clientAuth) signed by the CA that
+    :func:`make_test_ca` made in ``ca_dir``; idempotent."""
+    openssl = find_executable("openssl")
+    if openssl is None:
+        raise InfraError("openssl not found: apt-get install openssl")
+    ca_key, ca_cert = ca_dir / "ca.key", ca_dir / "ca.pem"
+    key, csr, cert = ca_dir / f"{name}.key", ca_dir / f"{name}.csr", ca_dir / f"{name}.pem"
+    ext = ca_dir / f"{name}.ext"
+    made = ClientCertificate(cert=cert, key=key)
+    if cert.is_file() and key.is_file():
+        return made
+    ext.write_text("extendedKeyUsage=clientAuth\n")
+    steps = [
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={name}"],
+        ["x509", "-req", "-in", csr, "-CA", ca_cert, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+         "-days", "2", "-extfile", ext],
+    ]  # fmt: skip
+    for step in steps:
+        result = subprocess.run([openssl, *map(str, step)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if result.returncode != 0:
+            raise InfraError(f"openssl {step[0]} failed (exit {result.returncode})", log_tail=result.stderr[-2000:])
+    return made
+
+
 def _jaas(users: dict[str, str]) -> str:
     # PlainLoginModule: username/password are the broker's own (client side of inter-broker traffic);
     # user_<name>="<password>" entries are the accounts clients may log in as.
