@@ -59,8 +59,9 @@ def client_security(cfg: KafkaConfig) -> dict[str, Any]:
     if cfg.security_protocol.startswith("SASL"):
         out.update(sasl_mechanism=cfg.sasl_mechanism or "PLAIN",
                    sasl_plain_username=cfg.sasl_username, sasl_plain_password=cfg.sasl_password)
-    if cfg.ssl_cafile:
-        out["ssl_cafile"] = cfg.ssl_cafile
+    for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):  # kafka-python's names are the config's
+        if value := getattr(cfg, field):
+            out[field] = value
     return out
 
 
@@ -71,7 +72,7 @@ def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
     if isinstance(exc, KafkaTimeoutError):
         hint = (f" (unreachable, or it refused this client's security settings: kafka.security_protocol="
                 f"{cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, sasl_username={cfg.sasl_username}, "
-                f"ssl_cafile={cfg.ssl_cafile})")
+                f"ssl_cafile={cfg.ssl_cafile}, ssl_certfile={cfg.ssl_certfile})")
     return StreamError(f"{what} {cfg.bootstrap}: {type(exc).__name__}: {exc}{hint}")
 
 

@@ -4,8 +4,10 @@ engine's security settings (``kafka.security_protocol``/``sasl_*``/``ssl_cafile`
 
 - :class:`SecureKafkaBroker`: the local KRaft broker (:class:`~ops.infra.KafkaBroker`'s machinery) with
   a ``SASL_PLAINTEXT`` client listener on ``kafka_port`` and, optionally, a ``SASL_SSL`` one on
-  ``ssl_port`` whose certificate is signed by a throw-away CA (:func:`make_test_ca`, ``openssl``
-  only: the keystore is PKCS#12, which Java reads without ``keytool``). SASL mechanism PLAIN, users
+  ``ssl_port`` and a mutual-TLS ``SSL`` one on ``mtls_port`` (no SASL: clients must present a
+  certificate the CA signed, :func:`make_client_cert`), both with a server certificate signed by a
+  throw-away CA (:func:`make_test_ca`, ``openssl`` only: the keystore is PKCS#12, which Java reads
+  without ``keytool``; the truststore is the CA's PEM file). SASL mechanism PLAIN, users
   in the listener's JAAS config (``listener.name.<listener>.plain.sasl.jaas.config``). The broker talks
   to itself over the SASL_PLAINTEXT listener as ``admin``; the KRaft controller listener stays
   PLAINTEXT on loopback (only the broker's own process uses it). No authorizer: every authenticated
@@ -128,12 +130,13 @@ class SecureKafkaBroker(KafkaBroker):
     name = "kafka-secure"
 
     def __init__(self, config: InfraConfig, *, users: dict[str, str], ssl_port: int | None = None,
-                 ca: SelfSignedCA | None = None) -> None:
+                 mtls_port: int | None = None, ca: SelfSignedCA | None = None) -> None:
         super().__init__(config)
-        if (ssl_port is None) != (ca is None):
-            raise ValueError("a SASL_SSL listener needs both ssl_port and ca (make_test_ca)")
+        if (ssl_port is None and mtls_port is None) != (ca is None):
+            raise ValueError("a SASL_SSL or mutual-TLS listener needs ca (make_test_ca), and only they do")
         self.users = {ADMIN_USER: "admin-secret", **users}
         self.ssl_port = ssl_port
+        self.mtls_port = mtls_port
         self.ca = ca
 
     @property
@@ -142,14 +145,23 @@ class SecureKafkaBroker(KafkaBroker):
             raise InfraError("this broker has no SASL_SSL listener")
         return f"{HOST}:{self.ssl_port}"
 
+    @property
+    def mtls_bootstrap(self) -> str:
+        if self.mtls_port is None:
+            raise InfraError("this broker has no mutual-TLS listener")
+        return f"{HOST}:{self.mtls_port}"
+
     def ports(self) -> list[tuple[int, str]]:
-        extra = [(self.ssl_port, "ssl_port")] if self.ssl_port is not None else []
+        extra = [(port, name) for port, name in ((self.ssl_port, "ssl_port"), (self.mtls_port, "mtls_port"))
+                 if port is not None]
         return [*super().ports(), *extra]
 
     def extra_properties(self) -> dict[str, str]:
         listeners = {"SASL_PLAINTEXT": self.config.kafka_port}
         if self.ssl_port is not None:
             listeners["SASL_SSL"] = self.ssl_port
+        if self.mtls_port is not None:
+            listeners["SSL"] = self.mtls_port
         client = ",".join(f"{name}://{HOST}:{port}" for name, port in listeners.items())
         props = {
             "listeners": f"{client},CONTROLLER://{HOST}:{self.config.kafka_controller_port}",
@@ -160,13 +172,24 @@ class SecureKafkaBroker(KafkaBroker):
             "sasl.mechanism.inter.broker.protocol": "PLAIN",
         }
         for name in listeners:
-            props[f"listener.name.{name.lower()}.plain.sasl.jaas.config"] = _jaas(self.users)
+            if name.startswith("SASL"):
+                props[f"listener.name.{name.lower()}.plain.sasl.jaas.config"] = _jaas(self.users)
         if self.ca is not None:
-            props.update({
-                "listener.name.sasl_ssl.ssl.keystore.type": "PKCS12",
-                "listener.name.sasl_ssl.ssl.keystore.location": str(self.ca.keystore),
-                "listener.name.sasl_ssl.ssl.keystore.password": self.ca.keystore_password,
-                "listener.name.sasl_ssl.ssl.key.password": self.ca.keystore_password,
+            for name in ("SASL_SSL", "SSL"):
+                if name in listeners:
+                    prefix = f"listener.name.{name.lower()}.ssl"
+                    props.update({
+                        f"{prefix}.keystore.type": "PKCS12",
+                        f"{prefix}.keystore.location": str(self.ca.keystore),
+                        f"{prefix}.keystore.password": self.ca.keystore_password,
+                        f"{prefix}.key.password": self.ca.keystore_password,
+                    })
+        if "SSL" in listeners:
+            assert self.ca is not None
+            props.update({  # mutual TLS: a client without a certificate the CA signed is refused in the handshake
+                "listener.name.ssl.ssl.client.auth": "required",
+                "listener.name.ssl.ssl.truststore.type": "PEM",
+                "listener.name.ssl.ssl.truststore.location": str(self.ca.ca_cert),
             })
         return props
 

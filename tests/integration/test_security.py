@@ -1,9 +1,10 @@
 """Security of the daemons against real services that require it.
 
 - Kafka: a broker whose client listeners require SASL/PLAIN (SASL_PLAINTEXT, and SASL_SSL with a
-  throw-away CA), started by ``ops.infra.secure``. The engine's admin, producer and consumer work with
-  the right credentials; no credentials, a wrong password, or TLS without the CA are refused with a
-  ``StreamError`` naming the broker.
+  throw-away CA) or a client certificate (mutual TLS, SSL), started by ``ops.infra.secure``. The
+  engine's admin, producer and consumer work with the right credentials; no credentials, a wrong
+  password, TLS without the CA, and mutual TLS without a client certificate or with one of another CA
+  are refused with a ``StreamError`` naming the broker.
 - NATS: nats-server requiring a user/password, and one requiring a token. ``Nats`` works with them and
   is refused with a ``NatsError`` (naming the authorization violation) without.
 - HTTP: a real Deployment binds loopback by default; ``POST /drain`` is 403 without a configured token,
@@ -28,7 +29,7 @@ from engine.config import EngineConfig, KafkaConfig, NatsConfig, TelemetryConfig
 from engine.schemas import DeadLetter
 from ops.deployment import Deployment
 from ops.infra import InfraConfig, InfraError, free_port
-from ops.infra.secure import SecureKafkaBroker, SecureNatsServer, make_test_ca
+from ops.infra.secure import SecureKafkaBroker, SecureNatsServer, make_client_cert, make_test_ca
 from streams.kafka import Consumer, Producer, StreamError, ensure_topics
 from streams.nats import Nats, NatsError
 
@@ -44,7 +45,8 @@ def secure_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureKaf
     state = tmp_path_factory.mktemp("secure-infra")
     config = InfraConfig.from_env(state_dir=state, kafka_port=free_port(), kafka_controller_port=free_port(),
                                   kafka_heap="-Xmx384m -Xms128m")
-    broker = SecureKafkaBroker(config, users={USER: PASSWORD}, ssl_port=free_port(), ca=make_test_ca(state / "ca"))
+    broker = SecureKafkaBroker(config, users={USER: PASSWORD}, ssl_port=free_port(), mtls_port=free_port(),
+                               ca=make_test_ca(state / "ca"))
     try:
         try:
             broker.start()
@@ -147,6 +149,45 @@ def test_kafka_tls_refused_without_the_ca(secure_kafka: SecureKafkaBroker) -> No
                          capture_output=True, text=True, timeout=90)
     assert f"refused: cannot connect a producer to {secure_kafka.ssl_bootstrap}" in out.stdout, out.stderr[-2000:]
     assert "security_protocol=SASL_SSL" in out.stdout
+
+
+@pytest.mark.timeout(240)
+async def test_kafka_mutual_tls_works_with_a_client_certificate(secure_kafka: SecureKafkaBroker, unique_name: str) -> None:
+    assert secure_kafka.ca is not None
+    client = make_client_cert(secure_kafka.ca.ca_cert.parent, "rollout-client")
+    mtls = KafkaConfig(bootstrap=secure_kafka.mtls_bootstrap, security_protocol="SSL", default_partitions=1,
+                       ssl_cafile=str(secure_kafka.ca.ca_cert), ssl_certfile=str(client.cert), ssl_keyfile=str(client.key))
+    assert await roundtrip(mtls, f"{unique_name}-mtls") == list(range(5))
+
+
+REFUSED_MTLS = """
+import asyncio, sys
+from engine.config import KafkaConfig
+from streams.kafka import Producer, StreamError
+cfg = KafkaConfig(bootstrap=sys.argv[1], security_protocol="SSL", ssl_cafile=sys.argv[2],
+                  ssl_certfile=sys.argv[3] or None, ssl_keyfile=sys.argv[4] or None)
+try:
+    asyncio.run(Producer(cfg, producer_id="intruder").start())
+except StreamError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["no-certificate", "another-ca"])
+def test_kafka_mutual_tls_refuses_clients_without_a_certificate_of_its_ca(secure_kafka: SecureKafkaBroker, case: str,
+                                                                          tmp_path: Path) -> None:
+    """In a child process, as for ``test_kafka_tls_refused_without_the_ca``."""
+    assert secure_kafka.ca is not None
+    cert = key = ""
+    if case == "another-ca":
+        make_test_ca(tmp_path / "other-ca")
+        other = make_client_cert(tmp_path / "other-ca", "intruder")
+        cert, key = str(other.cert), str(other.key)
+    out = subprocess.run([sys.executable, "-c", REFUSED_MTLS, secure_kafka.mtls_bootstrap, str(secure_kafka.ca.ca_cert),
+                          cert, key], capture_output=True, text=True, timeout=90)
+    assert f"refused: cannot connect a producer to {secure_kafka.mtls_bootstrap}" in out.stdout, out.stderr[-2000:]
+    print(out.stdout)
 
 
 # -- NATS -------------------------------------------------------------------------------------------

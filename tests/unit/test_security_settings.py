@@ -35,6 +35,9 @@ def test_client_security_passes_sasl_and_tls_settings() -> None:
                       sasl_password="p", ssl_cafile="/ca.pem")
     assert client_security(cfg) == {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
                                     "sasl_plain_username": "u", "sasl_plain_password": "p", "ssl_cafile": "/ca.pem"}
+    mtls = KafkaConfig(security_protocol="SSL", ssl_cafile="/ca.pem", ssl_certfile="/c.pem", ssl_keyfile="/c.key")
+    assert client_security(mtls) == {"security_protocol": "SSL", "ssl_cafile": "/ca.pem", "ssl_certfile": "/c.pem",
+                                     "ssl_keyfile": "/c.key"}
 
 
 def test_nats_connect_options_carry_credentials() -> None:
@@ -77,11 +80,15 @@ def write_creds(path: Path) -> Path:
 
 def test_secure_broker_properties(tmp_path: Path) -> None:
     ca = SelfSignedCA(ca_cert=tmp_path / "ca.pem", keystore=tmp_path / "s.p12", keystore_password="pw")
-    broker = SecureKafkaBroker(infra(tmp_path), users={"alice": 'se"cret'}, ssl_port=19094, ca=ca)
+    broker = SecureKafkaBroker(infra(tmp_path), users={"alice": 'se"cret'}, ssl_port=19094, mtls_port=19095, ca=ca)
     p = props(render_server_properties(broker.config, tmp_path / "data", broker.extra_properties()))
-    assert p["listeners"] == ("SASL_PLAINTEXT://127.0.0.1:19092,SASL_SSL://127.0.0.1:19094,"
+    assert p["listeners"] == ("SASL_PLAINTEXT://127.0.0.1:19092,SASL_SSL://127.0.0.1:19094,SSL://127.0.0.1:19095,"
                               "CONTROLLER://127.0.0.1:19093")
-    assert p["advertised.listeners"] == "SASL_PLAINTEXT://127.0.0.1:19092,SASL_SSL://127.0.0.1:19094"
+    assert p["advertised.listeners"] == ("SASL_PLAINTEXT://127.0.0.1:19092,SASL_SSL://127.0.0.1:19094,"
+                                         "SSL://127.0.0.1:19095")
+    assert p["listener.name.ssl.ssl.client.auth"] == "required"  # the SSL listener is mutual TLS
+    assert p["listener.name.ssl.ssl.truststore.location"] == str(ca.ca_cert)
+    assert "listener.name.ssl.plain.sasl.jaas.config" not in p
     assert p["inter.broker.listener.name"] == "SASL_PLAINTEXT" and p["sasl.enabled.mechanisms"] == "PLAIN"
     jaas = p["listener.name.sasl_plaintext.plain.sasl.jaas.config"]
     assert 'user_alice="se\\"cret"' in jaas and jaas.endswith(";")
