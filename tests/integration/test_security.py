@@ -5,8 +5,11 @@
   engine's admin, producer and consumer work with the right credentials; no credentials, a wrong
   password, TLS without the CA, and mutual TLS without a client certificate or with one of another CA
   are refused with a ``StreamError`` naming the broker.
-- NATS: nats-server requiring a user/password, and one requiring a token. ``Nats`` works with them and
-  is refused with a ``NatsError`` (naming the authorization violation) without.
+- NATS: nats-server requiring a user/password, one requiring a token, and one in operator mode (JWTs
+  and nkeys made in the test) requiring a ``.creds`` file. ``Nats`` works with them and is refused with
+  a ``NatsError`` (naming the authorization violation) without, or with a ``.creds`` file of an account
+  the server does not know. The whole runtime (topics, producer, consumer group, weights published
+  and fetched through the object store and KV) runs on a ``.creds`` login.
 - HTTP: a real Deployment binds loopback by default; ``POST /drain`` is 403 without a configured token,
   401 with a missing or wrong one, 200 with the right one (and the deployment then drains).
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import aiohttp
 import anyio
+import numpy as np
 import pytest
 
 from actors.runtime import Runtime
@@ -29,7 +33,8 @@ from engine.config import EngineConfig, KafkaConfig, NatsConfig, TelemetryConfig
 from engine.schemas import DeadLetter
 from ops.deployment import Deployment
 from ops.infra import InfraConfig, InfraError, free_port
-from ops.infra.secure import SecureKafkaBroker, SecureNatsServer, make_client_cert, make_test_ca
+from ops.infra.secure import (SecureKafkaBroker, SecureNatsServer, make_account, make_client_cert,
+                              make_nats_operator, make_test_ca, make_user_creds)
 from streams.kafka import Consumer, Producer, StreamError, ensure_topics
 from streams.nats import Nats, NatsError
 
@@ -230,6 +235,58 @@ async def test_runtime_on_secured_kafka_and_nats(secure_kafka: SecureKafkaBroker
             await rt.nats.kv_put(f"{unique_name}-control", "hello", b"world")
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def operator_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNatsServer]:
+    state = tmp_path_factory.mktemp("operator-nats")
+    config = InfraConfig.from_env(state_dir=state, nats_port=free_port())
+    server = SecureNatsServer(config, auth="operator", operator=make_nats_operator(state / "keys"))
+    try:
+        server.start()
+        server.wait_ready(30)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(240)
+async def test_runtime_on_nats_creds_in_operator_mode(operator_nats: SecureNatsServer, kafka_bootstrap: str,
+                                                      unique_name: str, tmp_path: Path) -> None:
+    """The engine's whole runtime on a ``.creds`` login: KV, object store, weights published and fetched."""
+    from safetensors.numpy import save_file
+
+    from streams.weights import WeightPublisher, WeightSubscriber
+
+    assert operator_nats.operator is not None
+    cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1),
+                       nats=NatsConfig(url=operator_nats.url, credentials=str(operator_nats.operator.creds)))
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": np.arange(300_000, dtype=np.float32)}, str(weights))  # > one 128 KiB object chunk
+    async with Runtime(cfg) as rt:
+        await rt.producer.send(rt.names.dlq, letter(2), key="k")
+        nats = rt.require_nats()
+        await nats.kv_put(rt.names.bucket("control"), "hello", b"world")
+        assert await nats.kv_get(rt.names.bucket("control"), "hello") == b"world"
+        manifest = await WeightPublisher(nats, rt.names).publish(1, [weights])
+        subscriber = WeightSubscriber(nats, rt.names, tmp_path / "fetched")
+        latest = await WeightPublisher(nats, rt.names).latest()
+        assert latest is not None and latest.version == manifest.version == 1
+        vdir = await subscriber.fetch(latest)
+        assert (vdir / "model.safetensors").read_bytes() == weights.read_bytes()
+
+
+@pytest.mark.timeout(120)
+async def test_nats_refuses_creds_of_another_account(operator_nats: SecureNatsServer, tmp_path: Path) -> None:
+    """A well-formed .creds file whose account the server does not know (same operator, not in its resolver),
+    and one of an account another operator signed: both refused with the server's reason."""
+    assert operator_nats.operator is not None
+    stranger, _ = make_account(operator_nats.operator.operator, "STRANGER")
+    other_operator = make_nats_operator(tmp_path / "other-operator")
+    for creds in (make_user_creds(stranger, "intruder", tmp_path / "stranger.creds"), other_operator.creds):
+        cfg = NatsConfig(url=operator_nats.url, credentials=str(creds), timeout_s=3)
+        with pytest.raises(NatsError, match=rf"{operator_nats.url}.*Authorization Violation"):
+            await Nats(cfg).connect()
 
 
 # -- HTTP -------------------------------------------------------------------------------------------
