@@ -21,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import re
 import socket
 import threading
 import time
@@ -41,6 +42,8 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from engine.config import KafkaConfig, check_files
 from engine.schemas import DeadLetter, Message
 from streams.codec import DecodeError, Envelope, decode, encode
+from streams import kafka_refusals as _kafka_refusals
+from streams.kafka_refusals import is_refusal
 from streams.offsets import OffsetTracker
 
 log = logging.getLogger("rollout.streams.kafka")
@@ -66,14 +69,25 @@ def client_security(cfg: KafkaConfig) -> dict[str, Any]:
 
 
 def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
-    """A StreamError naming the broker; a bootstrap that never completes also names the security settings,
-    because kafka-python retries a refused login (wrong password, untrusted certificate) until its timeout."""
+    """A StreamError naming the broker and, for a refusal or a bootstrap that never completed, the security
+    settings in use (never the password). A refusal the broker explained (wrong password, a certificate
+    either side does not accept) comes at once (streams/kafka_refusals.py); a timeout may be either."""
+    settings = (f"kafka.security_protocol={cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, "
+                f"sasl_username={cfg.sasl_username}, ssl_cafile={cfg.ssl_cafile}, ssl_certfile={cfg.ssl_certfile}")
     hint = ""
-    if isinstance(exc, KafkaTimeoutError):
-        hint = (f" (unreachable, or it refused this client's security settings: kafka.security_protocol="
-                f"{cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, sasl_username={cfg.sasl_username}, "
-                f"ssl_cafile={cfg.ssl_cafile}, ssl_certfile={cfg.ssl_certfile})")
-    return StreamError(f"{what} {cfg.bootstrap}: {type(exc).__name__}: {exc}{hint}")
+    if is_refusal(exc):
+        hint = f" (the broker refused this client's security settings: {settings})"
+    elif isinstance(exc, KafkaTimeoutError):
+        hint = f" (unreachable, or it refused this client's security settings: {settings})"
+    return StreamError(f"{what} {cfg.bootstrap}: {_describe(exc)}{hint}")
+
+
+def _describe(exc: KafkaError) -> str:
+    """``Type: message`` without the ``[Error N] Type: Type:`` repetitions kafka-python's errors carry."""
+    name, text = type(exc).__name__, re.sub(r"^\[Error -?\d+\] ", "", str(exc))
+    while text.startswith(f"{name}: "):
+        text = text[len(name) + 2:]
+    return f"{name}: {text}" if text and text != name else name
 
 
 def _close_connecting_sockets_on_abort() -> None:
@@ -124,10 +138,11 @@ _close_connecting_sockets_on_abort()
 def _construct(factory: Callable[..., Any], **kwargs: Any) -> Any:
     """``factory(**kwargs)`` (a kafka-python client class); if the constructor fails (e.g. the broker refused
     the login), close the network client it made: kafka-python leaves it open, two sockets per attempt."""
+    _kafka_refusals.apply()
     made: list[KafkaNetClient] = []
 
     def network_client(**kw: Any) -> KafkaNetClient:
-        made.append(KafkaNetClient(**kw))
+        made.append(_kafka_refusals.network_client(**kw))
         return made[-1]
 
     try:

@@ -42,7 +42,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 USER, PASSWORD = "alice", "alice-secret"
 FAST_FAIL = {"bootstrap_timeout_ms": 4000}
-"""A refused client retries until its bootstrap timeout (30 s by default): keep the negative cases short."""
+"""A client the broker drops without a reason (no SASL handshake at all) retries until its bootstrap
+timeout (30 s by default): keep that case short. Refusals with a reason fail at once, without it."""
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +121,29 @@ async def test_kafka_sasl_plaintext_and_sasl_ssl_work_with_credentials(secure_ka
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", ["no-credentials", "wrong-password"])
-async def test_kafka_refuses_clients_without_valid_credentials(secure_kafka: SecureKafkaBroker, case: str) -> None:
-    if case == "no-credentials":
-        cfg = KafkaConfig(bootstrap=secure_kafka.bootstrap_servers)
-    else:
-        cfg = sasl(secure_kafka.bootstrap_servers, password="not-the-password")
+async def test_kafka_refuses_clients_without_credentials(secure_kafka: SecureKafkaBroker) -> None:
+    cfg = KafkaConfig(bootstrap=secure_kafka.bootstrap_servers)
     with pytest.raises(StreamError, match=rf"cannot connect a producer to {cfg.bootstrap}.*security_protocol"):
         await Producer(cfg, producer_id="intruder", **FAST_FAIL).start()
     with pytest.raises(StreamError, match=rf"cannot start a consumer on {cfg.bootstrap}"):
         await Consumer(cfg, assign_topics=["anything"], **FAST_FAIL).start()
+
+
+@pytest.mark.timeout(240)
+async def test_kafka_wrong_password_is_reported_with_the_brokers_reason(secure_kafka: SecureKafkaBroker) -> None:
+    """With the default bootstrap timeout: the error is the broker's refusal, not kafka-python's
+    ``Unable to bootstrap`` at the end of the timeout (streams/kafka_refusals.py)."""
+    cfg = sasl(secure_kafka.bootstrap_servers, password="not-the-password")
+    refused = (r": SaslAuthenticationFailedError: .*Invalid username or password.* \(the broker refused this "
+               r"client's security settings: kafka.security_protocol=SASL_PLAINTEXT, sasl_mechanism=PLAIN, "
+               rf"sasl_username={USER}, ")
+    with pytest.raises(StreamError, match=rf"^cannot connect a producer to {cfg.bootstrap}{refused}") as caught:
+        await Producer(cfg, producer_id="intruder").start()
+    assert "not-the-password" not in str(caught.value)
+    with pytest.raises(StreamError, match=rf"^cannot start a consumer on {cfg.bootstrap}{refused}"):
+        await Consumer(cfg, assign_topics=["anything"]).start()
+    with pytest.raises(StreamError, match=rf"^could not create topics \['t'\] on {cfg.bootstrap}{refused}"):
+        await ensure_topics(cfg, {"t": 1})
 
 
 REFUSED_TLS = """
@@ -139,7 +153,7 @@ from streams.kafka import Producer, StreamError
 cfg = KafkaConfig(bootstrap=sys.argv[1], security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
                   sasl_username=sys.argv[2], sasl_password=sys.argv[3])
 try:
-    asyncio.run(Producer(cfg, producer_id="intruder", bootstrap_timeout_ms=4000).start())
+    asyncio.run(Producer(cfg, producer_id="intruder").start())
 except StreamError as exc:
     print("refused:", exc)
 """
@@ -153,7 +167,8 @@ def test_kafka_tls_refused_without_the_ca(secure_kafka: SecureKafkaBroker) -> No
     out = subprocess.run([sys.executable, "-c", REFUSED_TLS, secure_kafka.ssl_bootstrap, USER, PASSWORD],
                          capture_output=True, text=True, timeout=90)
     assert f"refused: cannot connect a producer to {secure_kafka.ssl_bootstrap}" in out.stdout, out.stderr[-2000:]
-    assert "security_protocol=SASL_SSL" in out.stdout
+    assert "CERTIFICATE_VERIFY_FAILED" in out.stdout  # the reason, at once, not a bootstrap timeout
+    assert "the broker refused this client's security settings: kafka.security_protocol=SASL_SSL" in out.stdout
 
 
 @pytest.mark.timeout(240)
@@ -192,6 +207,8 @@ def test_kafka_mutual_tls_refuses_clients_without_a_certificate_of_its_ca(secure
     out = subprocess.run([sys.executable, "-c", REFUSED_MTLS, secure_kafka.mtls_bootstrap, str(secure_kafka.ca.ca_cert),
                           cert, key], capture_output=True, text=True, timeout=90)
     assert f"refused: cannot connect a producer to {secure_kafka.mtls_bootstrap}" in out.stdout, out.stderr[-2000:]
+    assert "the broker refused this client's security settings: kafka.security_protocol=SSL" in out.stdout
+    assert "KafkaTimeoutError" not in out.stdout, out.stdout  # refused with the handshake's reason
     print(out.stdout)
 
 

@@ -129,3 +129,25 @@ async def test_drain_needs_the_bearer_token(token: str | None, header: str | Non
         headers = {"Authorization": header} if header is not None else {}
         async with http.post(f"{srv.url}/drain", headers=headers) as r:
             assert r.status == status
+
+
+def test_kafka_refusals_are_told_apart_from_outages() -> None:
+    from kafka.errors import KafkaConnectionError, KafkaTimeoutError, SaslAuthenticationFailedError
+
+    from streams.kafka import _connect_error
+    from streams.kafka_refusals import is_refusal
+
+    wrong = SaslAuthenticationFailedError("SaslAuthenticationFailedError: Authentication failed: Invalid username or password")
+    untrusted = KafkaConnectionError("Handshake failed: [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+    no_cert = KafkaConnectionError("[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert certificate required")
+    assert is_refusal(wrong) and is_refusal(untrusted) and is_refusal(no_cert)
+    assert not is_refusal(KafkaConnectionError("socket disconnected")) and not is_refusal(KafkaTimeoutError())
+    cfg = KafkaConfig(bootstrap="b:9092", security_protocol="SASL_SSL", sasl_username="u", sasl_password="secret")
+    err = str(_connect_error("cannot connect a producer to", cfg, wrong))
+    assert err == ("cannot connect a producer to b:9092: SaslAuthenticationFailedError: Authentication failed: Invalid "
+                   "username or password (the broker refused this client's security settings: kafka.security_protocol="
+                   "SASL_SSL, sasl_mechanism=None, sasl_username=u, ssl_cafile=None, ssl_certfile=None)")
+    assert "secret" not in err
+    timeout = str(_connect_error("cannot connect a producer to", cfg, KafkaTimeoutError("Unable to bootstrap from b:9092")))
+    assert timeout.startswith("cannot connect a producer to b:9092: KafkaTimeoutError: Unable to bootstrap from b:9092 "
+                              "(unreachable, or it refused")
