@@ -42,7 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
 from actors.learner_core import Learner, StepReport, Verdict
-from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
+from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.schemas import Experience
@@ -205,9 +205,12 @@ class LearnerActor(Actor):
 
     async def _publish(self) -> None:
         assert self.learner is not None and self.publisher is not None
-        learner = self.learner
+        learner, tokenizer = self.learner, self.tokenizer
+        assert tokenizer is not None
         with tempfile.TemporaryDirectory(prefix="rollout-weights-") as tmp:
-            await anyio.to_thread.run_sync(lambda: learner.model.save_pretrained(tmp, safe_serialization=True))
+            # the whole HF directory (config, safetensors, tokenizer): what SGLang's /update_weights_from_disk
+            # and a fresh `--model-path` load (streams/weights.py: check_hf_dir)
+            await anyio.to_thread.run_sync(lambda: self._save_pretrained(tmp, tokenizer))
             files: list[str | Path] = sorted(p for p in Path(tmp).iterdir() if p.is_file())
             await self.publisher.publish(learner.version, files, step=learner.step_count)
         self.published_version = learner.version
@@ -215,8 +218,16 @@ class LearnerActor(Actor):
     async def _checkpoint(self) -> None:
         assert self.learner is not None and self.tokenizer is not None
         learner, tokenizer = self.learner, self.tokenizer
-        self.last_checkpoint = await anyio.to_thread.run_sync(
-            lambda: self.store.save(learner.model, tokenizer, learner.optimizer.state_dict(), learner.progress()))
+        self.last_checkpoint = await anyio.to_thread.run_sync(lambda: self._save_checkpoint(learner, tokenizer))
+
+    def _save_pretrained(self, path: str, tokenizer: PreTrainedTokenizerBase) -> None:
+        assert self.learner is not None
+        with self.learner.export_model() as model:  # LoRA adapters merged into the published weights
+            save_model_dir(model, tokenizer, path)
+
+    def _save_checkpoint(self, learner: Learner, tokenizer: PreTrainedTokenizerBase) -> Path:
+        with learner.export_model() as model:
+            return self.store.save(model, tokenizer, learner.optimizer_state(), learner.progress())
 
     async def _put_status(self) -> None:
         assert self.learner is not None
@@ -248,23 +259,28 @@ class LearnerActor(Actor):
         max_staleness = self.rt.cfg.scheduler.max_staleness
         if latest is not None:
             ckpt = self.store.load(latest)
-            learner = self._make_learner(ckpt.model, ckpt.tokenizer, max_staleness)
-            learner.optimizer.load_state_dict(ckpt.optimizer)
+            # The KL reference is the initial weights, not the checkpoint's (with LoRA: the base model).
+            reference = self._initial_model()[0] if self.cfg.kl_coef > 0 and not self.cfg.lora_rank else None
+            learner = self._make_learner(ckpt.model, ckpt.tokenizer, max_staleness, reference)
+            learner.load_optimizer_state(ckpt.optimizer)
             learner.restore_progress(ckpt.progress)
             self.resumed_from = latest
             log.info("%s: resumed from %s (step %d, version %d)", self.name, latest, learner.step_count,
                      learner.version)
             return learner, ckpt.tokenizer
-        if self.model_dir is not None:
-            model, tokenizer = load_model_dir(self.model_dir)
-        else:
-            tokenizer = build_char_tokenizer()
-            model = build_tiny_model(tiny_config(len(tokenizer)), seed=self.cfg.seed)
+        model, tokenizer = self._initial_model()
         return self._make_learner(model, tokenizer, max_staleness), tokenizer
 
-    def _make_learner(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_staleness: int) -> Learner:
+    def _initial_model(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        if self.model_dir is not None:
+            return load_model_dir(self.model_dir)
+        tokenizer = build_char_tokenizer()
+        return build_tiny_model(tiny_config(len(tokenizer)), seed=self.cfg.seed), tokenizer
+
+    def _make_learner(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_staleness: int,
+                      reference: PreTrainedModel | None = None) -> Learner:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return Learner(model, self.cfg, max_staleness=max_staleness, pad_id=pad)
+        return Learner(model, self.cfg, max_staleness=max_staleness, pad_id=pad, reference=reference)
 
     def _reached_max_steps(self) -> bool:
         return (self.cfg.max_steps is not None and self.learner is not None

@@ -20,16 +20,19 @@ NATS; the unit tests feed it by hand):
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from actors import lora
 from engine.config import LearnerConfig
 from engine.schemas import Experience
 
@@ -135,6 +138,10 @@ class SeenIds:
 
 # -- loss math -------------------------------------------------------------------------------------
 
+DEFAULT_LOGPROB_CHUNK = 512
+"""Positions per chunk of the output projection + log-softmax: 512 x 49152 fp32 logits is ~100 MB."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Batch:
     """Padded tensors of a batch of samples; per-token tensors are [B, R] over response tokens."""
@@ -182,16 +189,255 @@ def collate(samples: Sequence[Experience], pad_id: int = 0) -> Batch:
     return Batch(input_ids, attention, target_pos, behav, mask, advantages, temperature)
 
 
-def response_logprobs(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                   temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of ``targets`` and the entropy (no grad) at ``hidden`` [N, H], in fp32."""
+    logits = head(hidden.to(head.weight.dtype)).float() / temperature.unsqueeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor | None, pred_index: torch.Tensor, targets: torch.Tensor,
+                   temperature: torch.Tensor, *, chunk: int = DEFAULT_LOGPROB_CHUNK,
+                   autocast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [N] (and entropies [N], no grad) of ``targets`` predicted at rows of the flattened hidden states.
+
+    Runs the transformer body once over ``input_ids`` [B, L], picks the hidden states at ``pred_index``
+    (indices into the B * L flattened positions) and applies the output projection and the log-softmax
+    only there, ``chunk`` positions at a time. Under autograd each chunk is checkpointed, so the
+    full-vocabulary logits of a chunk live only while that chunk is computed (forward or backward):
+    memory ~ chunk x vocab instead of batch x length x vocab.
+    """
+    body = model.get_decoder()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pred_index).float()
+    head = model.get_output_embeddings()
+    logps, entropies = [], []
+    for s in range(0, len(pred_index), chunk):
+        args = (picked[s:s + chunk], targets[s:s + chunk], temperature[s:s + chunk])
+        if torch.is_grad_enabled() and picked.requires_grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, head, *args, use_reentrant=False)
+        else:
+            lp, ent = _head_logprobs(head, *args)
+        logps.append(lp)
+        entropies.append(ent)
+    if not logps:
+        empty = picked.new_zeros(0)
+        return empty, empty
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def response_logprobs(model: PreTrainedModel, batch: Batch, *, chunk: int = DEFAULT_LOGPROB_CHUNK) -> torch.Tensor:
     """Log-probabilities [B, R] of the response tokens under ``model`` at each sample's temperature."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    # Token at position t is predicted by the logits at t - 1.
-    pred_pos = (batch.target_pos - 1).clamp_min(0)
-    idx = pred_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    pred_logits = logits.gather(1, idx).float() / batch.temperature
+    b, r = batch.target_pos.shape
+    t = batch.input_ids.shape[1]
+    # Token at position t is predicted by the hidden state at t - 1.
+    pred = (batch.target_pos - 1).clamp_min(0) + torch.arange(b).unsqueeze(1) * t
     targets = batch.input_ids.gather(1, batch.target_pos)
-    picked = pred_logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(pred_logits, dim=-1)
+    temperature = batch.temperature.reshape(b, 1).expand(b, r)
+    logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, None, pred.reshape(-1),
+                             targets.reshape(-1), temperature.reshape(-1), chunk=chunk)
+    return logp.reshape(b, r)
+
+
+# -- shared-prefix packing ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Packed:
+    """One forward pass worth of samples; per-token tensors are flat [N] over the response tokens.
+
+    Rows are ``[prompt][resp_1]...[resp_k]`` for samples that share a prompt (or one sample each):
+    ``attention_mask`` [B, 1, L, L] (True: may attend) lets each response see the prompt and its own
+    earlier tokens only, and ``position_ids`` restart at len(prompt) for each response, so every
+    response is computed exactly as if it followed the prompt alone, the prompt once.
+    """
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, 1, L, L] bool
+    position_ids: torch.Tensor  # [B, L]
+    pred_index: torch.Tensor  # [N] index into the B * L positions of the hidden state predicting each token
+    targets: torch.Tensor  # [N]
+    temperature: torch.Tensor  # [N]
+    behav_logp: torch.Tensor  # [N]
+    loss_mask: torch.Tensor  # [N] bool
+    advantages: torch.Tensor  # [N]
+    sample_index: torch.Tensor  # [N] index of the token's sample in the list given to ``pack``
+    token_index: torch.Tensor  # [N] index of the token in its sample's response
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def _rows(samples: Sequence[Experience], share_prefix: bool, budget: int) -> list[list[int]]:
+    """Sample indices per row: samples with the identical prompt share a row while it fits ``budget``."""
+    groups: dict[bytes, list[int]] = {}
+    for i, s in enumerate(samples):
+        key = np.asarray(s.prompt_ids, dtype=np.int64).tobytes() if share_prefix else i.to_bytes(8, "little")
+        groups.setdefault(key, []).append(i)
+    rows: list[list[int]] = []
+    for idxs in groups.values():
+        p = len(samples[idxs[0]].prompt_ids)
+        row: list[int] = []
+        length = p
+        for i in idxs:
+            r = len(samples[i].response_ids)
+            if row and length + r > budget:
+                rows.append(row)
+                row, length = [], p
+            row.append(i)
+            length += r
+        rows.append(row)
+    return rows
+
+
+def _row_length(samples: Sequence[Experience], row: list[int]) -> int:
+    return len(samples[row[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in row)
+
+
+def pack(samples: Sequence[Experience], *, micro_batch_tokens: int, share_prefix: bool = True,
+         pad_id: int = 0) -> list[Packed]:
+    """Split ``samples`` into micro-batches of rows, each under ``micro_batch_tokens`` padded tokens.
+
+    A row longer than the budget (one long sample) forms a micro-batch alone. Rows are sorted by length
+    so that rows of similar length share a micro-batch (less padding).
+    """
+    rows = sorted(_rows(samples, share_prefix, micro_batch_tokens), key=lambda r: -_row_length(samples, r))
+    batches: list[list[list[int]]] = []
+    for row in rows:
+        length = _row_length(samples, row)
+        if batches:
+            cur = batches[-1]
+            width = max(length, _row_length(samples, cur[0]))
+            if (len(cur) + 1) * width <= micro_batch_tokens:
+                cur.append(row)
+                continue
+        batches.append([row])
+    return [_pack_rows(samples, rs, pad_id) for rs in batches]
+
+
+def _pack_rows(samples: Sequence[Experience], rows: list[list[int]], pad_id: int) -> Packed:
+    b = len(rows)
+    width = max(_row_length(samples, r) for r in rows)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((b, width), dtype=torch.long)
+    segment = torch.full((b, width), -2, dtype=torch.long)  # -1: prompt, k: the row's k-th response, -2: padding
+    pred, targets, temp, behav, mask, adv, sidx, tidx = [], [], [], [], [], [], [], []
+    for row_i, row in enumerate(rows):
+        prompt = np.asarray(samples[row[0]].prompt_ids, dtype=np.int64)
+        p = len(prompt)
+        base = row_i * width
+        input_ids[row_i, :p] = torch.from_numpy(prompt)
+        position_ids[row_i, :p] = torch.arange(p)
+        segment[row_i, :p] = -1
+        start = p
+        for k, i in enumerate(row):
+            s = samples[i]
+            r = len(s.response_ids)
+            input_ids[row_i, start:start + r] = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
+            position_ids[row_i, start:start + r] = torch.arange(p, p + r)
+            segment[row_i, start:start + r] = k
+            # token 0 is predicted by the prompt's last position (shared by the row), token t by start + t - 1
+            where = torch.arange(start - 1, start + r - 1)
+            if r:
+                where[0] = p - 1 if p else start
+            pred.append(base + where)
+            targets.append(input_ids[row_i, start:start + r])
+            temp.append(torch.full((r,), sample_temperature(s), dtype=torch.float32))
+            behav.append(torch.from_numpy(np.asarray(s.logprobs, dtype=np.float32)))
+            m = torch.from_numpy(np.asarray(s.loss_mask).astype(bool))
+            if p == 0 and r:
+                m[0] = False  # nothing precedes the first token: there is no distribution to score
+            mask.append(m)
+            adv.append(torch.full((r,), float(s.advantage), dtype=torch.float32))
+            sidx.append(torch.full((r,), i, dtype=torch.long))
+            tidx.append(torch.arange(r))
+            start += r
+    q = torch.arange(width)
+    causal = q.unsqueeze(1) >= q.unsqueeze(0)  # [L(query), L(key)]
+    seg_q, seg_k = segment.unsqueeze(2), segment.unsqueeze(1)
+    # Padding queries see the prompt and earlier padding: never an empty row (sdpa would give NaN).
+    attention = causal & ((seg_k == -1) | (seg_k == seg_q))
+    return Packed(input_ids, attention.unsqueeze(1), position_ids, torch.cat(pred), torch.cat(targets),
+                  torch.cat(temp), torch.cat(behav), torch.cat(mask), torch.cat(adv), torch.cat(sidx),
+                  torch.cat(tidx))
+
+
+def _model_mask(model: PreTrainedModel, mask: torch.Tensor) -> torch.Tensor:
+    """A boolean 4-D mask in the form the model's attention takes: sdpa/flex take booleans; eager adds it."""
+    if getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "flex_attention", None):
+        return mask
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def packed_logprobs(model: PreTrainedModel, mb: Packed, *, chunk: int = DEFAULT_LOGPROB_CHUNK,
+                    autocast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [N] and entropies [N] (no grad) of a packed micro-batch's response tokens."""
+    # transformers (5.x) passes a 4-D mask through untouched (masking_utils._preprocess_mask_arguments)
+    # and uses the explicit position_ids for the rotary embedding.
+    return token_logprobs(model, mb.input_ids, _model_mask(model, mb.attention_mask), mb.position_ids,
+                          mb.pred_index, mb.targets, mb.temperature, chunk=chunk, autocast=autocast)
+
+
+def unpack(samples: Sequence[Experience], micro_batches: Sequence[Packed], values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Scatter flat per-token ``values`` of ``micro_batches`` back to [len(samples), R] (0 on padding)."""
+    r_max = max(1, max(len(s.response_ids) for s in samples))
+    out = torch.zeros((len(samples), r_max), dtype=values[0].dtype if values else torch.float32)
+    for mb, v in zip(micro_batches, values):
+        out = out.index_put((mb.sample_index, mb.token_index), v)
+    return out
+
+
+@dataclasses.dataclass(slots=True)
+class _Sums:
+    """Token sums of a step's statistics, accumulated over micro-batches and divided once at the end."""
+
+    tokens: float = 0.0
+    loss: float = 0.0
+    behav_weight: float = 0.0
+    behav_truncated: float = 0.0
+    behav_kl: float = 0.0
+    clipped: float = 0.0
+    ratio: float = 0.0
+    entropy: float = 0.0
+    kl_ref: float = 0.0
+
+
+def _policy_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
+                  advantages: torch.Tensor, mask: torch.Tensor, *, objective: str, tis_cap: float,
+                  clip_eps: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token loss (0 off the mask) and the token *sums* of the statistics; see ``policy_loss``."""
+    m = mask.to(logp.dtype)
+    prox = prox_logp.detach()
+    # Padding and observation tokens have arbitrary logprobs: zero their log-ratios so exp() cannot overflow.
+    behav_log_ratio = torch.where(mask, prox - behav_logp.detach(), torch.zeros_like(prox))
+    raw_w = torch.exp(behav_log_ratio)
+    behav_w = raw_w.clamp(max=tis_cap)
+    adv = advantages.expand_as(logp)
+    sums: dict[str, float] = {
+        "behav_weight": float((behav_w * m).sum()),
+        "behav_truncated": float(((raw_w > tis_cap).to(m.dtype) * m).sum()),
+        "behav_kl": float((-behav_log_ratio * m).sum()),
+        "tokens": float(m.sum()),
+    }
+    if objective == "tis":
+        per_tok = -behav_w * adv * logp
+    elif objective == "decoupled_ppo":
+        ratio = torch.exp(torch.where(mask, logp - prox, torch.zeros_like(logp)))
+        clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+        per_tok = behav_w * torch.maximum(-adv * ratio, -adv * clipped)
+        sums["clipped"] = float((((ratio - clipped).abs() > 0).to(m.dtype) * m).sum())
+        sums["ratio"] = float((ratio.detach() * m).sum())
+    else:
+        raise ValueError(f"unknown objective {objective!r}; one of 'tis', 'decoupled_ppo'")
+    return per_tok * m, sums
 
 
 def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
@@ -205,32 +451,24 @@ def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.T
 
     ``prox_logp`` and ``behav_logp`` carry no gradient; ``advantages`` broadcasts over tokens.
     """
-    m = mask.to(logp.dtype)
-    n_tok = m.sum().clamp_min(1.0)
-    prox = prox_logp.detach()
-    # Padding and observation tokens have arbitrary logprobs: zero their log-ratios so exp() cannot overflow.
-    behav_log_ratio = torch.where(mask, prox - behav_logp.detach(), torch.zeros_like(prox))
-    raw_w = torch.exp(behav_log_ratio)
-    behav_w = raw_w.clamp(max=tis_cap)
-    adv = advantages.expand_as(logp)
-    stats: dict[str, float] = {
-        "behav_weight_mean": float((behav_w * m).sum() / n_tok),
-        "behav_truncated_frac": float(((raw_w > tis_cap).to(m.dtype) * m).sum() / n_tok),
-        "behav_kl": float((-behav_log_ratio * m).sum() / n_tok),
-    }
-    if objective == "tis":
-        per_tok = -behav_w * adv * logp
-    elif objective == "decoupled_ppo":
-        ratio = torch.exp(torch.where(mask, logp - prox, torch.zeros_like(logp)))
-        clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-        per_tok = behav_w * torch.maximum(-adv * ratio, -adv * clipped)
-        stats["clip_frac"] = float((((ratio - clipped).abs() > 0).to(m.dtype) * m).sum() / n_tok)
-        stats["ratio_mean"] = float((ratio.detach() * m).sum() / n_tok)
-    else:
-        raise ValueError(f"unknown objective {objective!r}; one of 'tis', 'decoupled_ppo'")
-    loss = (per_tok * m).sum() / n_tok
-    stats["tokens"] = float(m.sum())
-    return loss, stats
+    per_tok, sums = _policy_terms(logp, prox_logp, behav_logp, advantages, mask, objective=objective,
+                                  tis_cap=tis_cap, clip_eps=clip_eps)
+    n_tok = max(sums["tokens"], 1.0)
+    stats: dict[str, float] = {"behav_weight_mean": sums["behav_weight"] / n_tok,
+                               "behav_truncated_frac": sums["behav_truncated"] / n_tok,
+                               "behav_kl": sums["behav_kl"] / n_tok}
+    if objective == "decoupled_ppo":
+        stats["clip_frac"] = sums["clipped"] / n_tok
+        stats["ratio_mean"] = sums["ratio"] / n_tok
+    stats["tokens"] = sums["tokens"]
+    return per_tok.sum() / n_tok, stats
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref) on tokens sampled from pi_theta: exp(d) - 1 - d,
+    d = log pi_ref - log pi_theta (unbiased, always >= 0; Schulman's "Approximating KL divergence")."""
+    d = ref_logp.detach() - logp
+    return torch.exp(d) - 1.0 - d
 
 
 # -- the learner -----------------------------------------------------------------------------------
@@ -266,12 +504,23 @@ class Learner:
     """Policy-gradient learner over a causal LM; see the module docstring for the protocol."""
 
     def __init__(self, model: PreTrainedModel, cfg: LearnerConfig, *, max_staleness: int, pad_id: int = 0,
-                 max_seen_ids: int = DEFAULT_MAX_SEEN_IDS) -> None:
+                 max_seen_ids: int = DEFAULT_MAX_SEEN_IDS, reference: PreTrainedModel | None = None) -> None:
+        """``reference``: the KL term's reference policy when ``cfg.kl_coef > 0`` (default: a frozen copy
+        of ``model`` as given, i.e. the initial weights; with LoRA the base model with adapters off)."""
         self.model = model
         self.cfg = cfg
         self.max_staleness = max_staleness
         self.pad_id = pad_id
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if cfg.lora_rank:
+            lora.attach(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+        if cfg.gradient_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.reference: PreTrainedModel | None = None
+        if cfg.kl_coef > 0 and not cfg.lora_rank:
+            self.reference = reference if reference is not None else copy.deepcopy(model)
+            self.reference.eval().requires_grad_(False)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step_count = 0
         self.version = 0
         self.ledger = Ledger()
@@ -330,27 +579,94 @@ class Learner:
 
     # -- training ----------------------------------------------------------------------------------
     def train_on(self, samples: Sequence[Experience]) -> dict[str, float]:
-        """One optimizer step on ``samples`` (no bookkeeping); returns the step's metrics."""
-        batch = collate(samples, self.pad_id)
+        """One optimizer step on ``samples`` (no bookkeeping); returns the step's metrics.
+
+        The samples are packed (``pack``) into micro-batches under ``micro_batch_tokens``; each one's
+        loss is its token sum divided by the whole step's loss-masked token count, so the accumulated
+        gradient is exactly that of one big batch's token mean.
+        """
+        cfg = self.cfg
+        mbs = pack(samples, micro_batch_tokens=cfg.micro_batch_tokens, share_prefix=cfg.share_prefix,
+                   pad_id=self.pad_id)
+        n_total = max(sum(float(mb.loss_mask.sum()) for mb in mbs), 1.0)
+        sums = _Sums()
+        self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         try:
-            logp = response_logprobs(self.model, batch)
-            # One optimizer update per batch: the proximal policy is the current one, so its no-grad
-            # logprobs are exactly these values detached (no second forward pass needed).
-            prox = logp.detach()
-            loss, stats = policy_loss(logp, prox, batch.behav_logp, batch.advantages, batch.loss_mask,
-                                      objective=self.cfg.objective, tis_cap=self.cfg.tis_cap,
-                                      clip_eps=self.cfg.clip_eps)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            for mb in mbs:
+                logp, entropy = packed_logprobs(self.model, mb, chunk=cfg.logprob_chunk,
+                                                autocast=cfg.autocast == "bf16")
+                # One optimizer update per batch: the proximal policy is the current one, so its no-grad
+                # logprobs are exactly these values detached (no second forward pass needed).
+                per_tok, terms = _policy_terms(logp, logp.detach(), mb.behav_logp, mb.advantages, mb.loss_mask,
+                                               objective=cfg.objective, tis_cap=cfg.tis_cap, clip_eps=cfg.clip_eps)
+                m = mb.loss_mask.to(logp.dtype)
+                loss = per_tok.sum() / n_total
+                if cfg.kl_coef > 0:
+                    kl = k3_kl(logp, self._reference_logprobs(mb)) * m
+                    loss = loss + cfg.kl_coef * kl.sum() / n_total
+                    sums.kl_ref += float(kl.detach().sum())
+                if loss.requires_grad:
+                    loss.backward()
+                sums.loss += float(loss.detach())
+                sums.entropy += float((entropy * m).sum())
+                for k, v in terms.items():
+                    setattr(sums, k, getattr(sums, k) + v)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         finally:
             self.model.eval()
-        stats.update(loss=float(loss.detach()), grad_norm=float(grad_norm),
-                     advantage_mean=float(batch.advantages.mean()), samples=float(len(samples)))
+        n = max(sums.tokens, 1.0)
+        stats = {"loss": sums.loss, "grad_norm": float(grad_norm), "tokens": sums.tokens,
+                 "entropy": sums.entropy / n, "clip_frac": sums.clipped / n,
+                 "behav_weight_mean": sums.behav_weight / n, "behav_truncated_frac": sums.behav_truncated / n,
+                 "behav_kl": sums.behav_kl / n,
+                 "advantage_mean": float(np.mean([s.advantage for s in samples])) if samples else 0.0,
+                 "samples": float(len(samples)), "micro_batches": float(len(mbs)),
+                 "padded_tokens": float(sum(mb.padded_tokens for mb in mbs))}
+        if cfg.objective == "decoupled_ppo":
+            stats["ratio_mean"] = sums.ratio / n
+        if cfg.kl_coef > 0:
+            stats["kl_ref"] = sums.kl_ref / n
         return stats
+
+    def _reference_logprobs(self, mb: Packed) -> torch.Tensor:
+        """Logprobs of a micro-batch's tokens under the reference policy (no grad)."""
+        with torch.no_grad():
+            if self.reference is not None:
+                return packed_logprobs(self.reference, mb, chunk=self.cfg.logprob_chunk,
+                                       autocast=self.cfg.autocast == "bf16")[0]
+            with lora.disabled(self.model):
+                return packed_logprobs(self.model, mb, chunk=self.cfg.logprob_chunk,
+                                       autocast=self.cfg.autocast == "bf16")[0]
+
+    @contextlib.contextmanager
+    def export_model(self) -> Iterator[PreTrainedModel]:
+        """The model as Hugging Face layout for ``save_pretrained`` (LoRA adapters merged in)."""
+        if not self.cfg.lora_rank:
+            yield self.model
+            return
+        with lora.merged(self.model) as m:
+            yield m
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state dict, plus the LoRA adapters' tensors when there are adapters (a
+        checkpoint's model holds the merged weights; the adapters are needed to take the merge back out)."""
+        state = self.optimizer.state_dict()
+        if self.cfg.lora_rank:
+            state = {**state, "lora_adapters": lora.state(self.model)}
+        return state
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Inverse of ``optimizer_state``; call after building the learner on a checkpoint's model."""
+        state = dict(state)
+        adapters = state.pop("lora_adapters", None)
+        if self.cfg.lora_rank:
+            if adapters is None:
+                raise ValueError("a LoRA learner needs a checkpoint written with LoRA (no adapter tensors in it)")
+            lora.load_into_merged(self.model, adapters)
+        self.optimizer.load_state_dict(state)
 
     def step(self) -> StepReport:
         """Train on the pending batch and fold the pending records into the learner's state."""
@@ -403,12 +719,16 @@ class Learner:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint holds: model and optimizer tensors plus ``progress()``."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "progress": self.progress()}
+        with self.export_model() as m:
+            model_state = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        return {"model": model_state, "optimizer": self.optimizer_state(), "progress": self.progress()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.cfg.lora_rank:
+            lora.load_merged_weights(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
+        self.load_optimizer_state(state["optimizer"])
         self.restore_progress(state["progress"])
 
     def statistics(self) -> dict[str, Any]:

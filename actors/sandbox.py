@@ -58,7 +58,8 @@ from streams.kafka import Record, StreamError
 
 log = logging.getLogger("rollout.actors.sandbox")
 
-DOMAIN_VERIFIERS: dict[str, str] = {"arith": "answer", "math": "answer", "code": "code", "terminal": "terminal"}
+DOMAIN_VERIFIERS: dict[str, str] = {"arith": "answer", "math": "answer", "code": "code", "terminal": "terminal",
+                                    "python": "code", "shell": "terminal", "docqa": "answer"}
 """Domain name -> verifier kind (a key of ``sandboxes.verifiers.VERIFIERS``); ``spec["verifier"]`` overrides."""
 
 EPISODE_UNKNOWN = "episode_unknown"

@@ -22,10 +22,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 ENV_PREFIX = "ROLLOUT__"
 ROLES = ("scheduler", "inference", "sandbox", "reward", "learner")
+INFERENCE_API_KEY_ENV = ENV_PREFIX + "INFERENCE__API_KEY"
+"""The variable of `inference.api_key`, which `rollout inference serve` reads too: one secret, both sides."""
 
 
 class ConfigError(ValueError):
@@ -108,10 +111,21 @@ class SchedulerConfig(Section):
 class InferenceConfig(Section):
     backend: Literal["local", "sglang"] = "local"
     """`local`: the embedded torch server of this project; `sglang`: an external SGLang server or router."""
-    urls: list[str] = Field(default_factory=list)
+    urls: list[str] = Field(default_factory=list, validate_default=True)
     """SGLang server or router URLs (backend=sglang), or a running local server; empty: start one embedded."""
-    model_dir: str | None = None
-    """HF model directory served by the local backend; None: a tiny model built from a config."""
+    model_dir: str | None = Field(None, validate_default=True)
+    """The Hugging Face model directory this deployment serves and trains: the local backend loads it,
+    the learner starts from it, the inference actor reads its tokenizer. With backend `sglang` it is
+    required and must be the model the SGLang servers were started with (their `--model-path`, as this
+    host sees it). None (local backend only): a tiny model built from a config."""
+    api_key: SecretStr | None = None
+    """Key of the inference servers (SGLang's `--api-key`; `rollout inference serve --api-key-file`): the
+    client sends `Authorization: Bearer <key>` on every request, and the embedded local server requires
+    it. Never logged. Set it in the environment (ROLLOUT__INFERENCE__API_KEY) or use `api_key_file`
+    rather than writing it here."""
+    api_key_file: str | None = None
+    """A file holding the api key (surrounding whitespace ignored), e.g. a mounted Secret; not both
+    this and `api_key`. Read when the inference role starts."""
     max_new_tokens: int = Field(64, ge=1)
     """Default generation length when the task does not say."""
     temperature: float = Field(1.0, ge=0)
@@ -130,6 +144,43 @@ class InferenceConfig(Section):
     """Tokens per ``rollout.tokens`` record: new tokens are sent once this many have come (the rest when
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and
     broker CPU) per sample at the cost of a consumer seeing tokens a few decode steps later."""
+
+    @field_validator("urls")
+    @classmethod
+    def _sglang_names_its_servers(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if not value and info.data.get("backend") == "sglang":
+            raise ValueError("backend 'sglang' needs the URLs of its SGLang servers or router")
+        return value
+
+    @field_validator("model_dir")
+    @classmethod
+    def _sglang_names_its_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("backend") == "sglang":
+            raise ValueError("backend 'sglang' needs the model directory its servers serve (the directory "
+                             "they were started with, `--model-path`): the learner starts from it and the "
+                             "inference actor tokenizes with it; set inference.model_dir")
+        return value
+
+    @model_validator(mode="after")
+    def _one_api_key_source(self) -> "InferenceConfig":
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("api_key and api_key_file are both set; give one")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        """The api key from `api_key` or `api_key_file`, or None; raises ConfigError if the file cannot
+        be read or is empty."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value() or None
+        if self.api_key_file is None:
+            return None
+        try:
+            key = Path(self.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"inference.api_key_file: cannot read {self.api_key_file}: {exc.strerror}") from None
+        if not key:
+            raise ConfigError(f"inference.api_key_file: {self.api_key_file} is empty")
+        return key
 
 
 class SandboxConfig(Section):
@@ -190,6 +241,27 @@ class LearnerConfig(Section):
     torch_threads: int = Field(1, ge=0)
     """Intra-op threads of the learner's torch (0: torch's default). On small hosts shared with the
     inference server, one thread avoids oversubscription that makes every step several times slower."""
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Token budget of one forward/backward pass (rows x padded row length); a step is split into
+    micro-batches under it and their gradients accumulated, the loss still a mean over the whole
+    step's tokens. Bounds the learner's activation memory (a row longer than the budget runs alone)."""
+    share_prefix: bool = True
+    """Pack the samples of a step that share one prompt into one row, prompt computed once (4-D
+    attention mask: each response sees the prompt and its own earlier tokens only)."""
+    logprob_chunk: int = Field(512, ge=1)
+    """Response positions per chunk of the output projection and log-softmax (memory ~ chunk x vocab)."""
+    autocast: Literal["off", "bf16"] = "off"
+    """Run the transformer body under bf16 autocast (the output projection and log-softmax stay fp32)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL estimator to the reference policy (the initial weights) added to the loss;
+    0 disables it (and the reference model's memory and forward pass)."""
+    lora_rank: int = Field(0, ge=0)
+    """Rank of LoRA adapters on the attention projections (q, k, v, o); 0 trains every weight. The
+    adapters are merged into published weights and checkpoints."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank."""
 
 
 class TelemetryConfig(Section):
@@ -360,6 +432,11 @@ def _private_key(text: str) -> None:
         raise ValueError("holds no PEM private key (-----BEGIN ... PRIVATE KEY-----)")
 
 
+# Secrets stay the exact string the variable holds: a random key may happen to parse as a TOML number
+# (`123e4567`), which would change it.
+_RAW_ENV_FIELDS = frozenset({"password", "sasl_password", "token", "control_token", "api_key"})
+
+
 def _parse_env_value(raw: str) -> Any:
     try:
         return tomllib.loads(f"v = {raw}")["v"]
@@ -382,7 +459,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"environment: {key} conflicts with another override")
-        node[path[-1]] = _parse_env_value(raw)
+        node[path[-1]] = raw if path[-1] in _RAW_ENV_FIELDS else _parse_env_value(raw)
     return out
 
 
@@ -400,7 +477,8 @@ def _format_error(source: str, exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"{source}: {loc}: {err['msg']}")
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+        lines.append(f"{source}: {loc}: {msg}")
     return "\n".join(lines)
 
 

@@ -9,14 +9,18 @@ import pytest
 import torch
 
 from actors.learner_checkpoint import CheckpointStore
+from actors import lora
 from actors.learner_core import (
     Learner,
     SeenIds,
     collate,
     mean_logprob,
+    pack,
+    packed_logprobs,
     policy_loss,
     response_logprobs,
     sft_warm_start,
+    unpack,
 )
 from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
 from engine.config import LearnerConfig
@@ -118,6 +122,167 @@ def test_collate_pads_variable_lengths_without_changing_logprobs(model):
     batch = collate([a, b, c])
     assert batch.loss_mask.tolist()[1] == [True, False, False, False, False]
     assert batch.temperature.flatten().tolist() == [1.0, 1.0, 0.5]
+
+
+def grpo_batch(groups: int = 3, size: int = 4, *, seed: int = 0) -> list[Experience]:
+    """Groups of samples sharing a prompt, responses of different lengths, one group at temperature 0.7."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(4, 90, size=int(rng.integers(3, 9))).tolist()
+        facts = {"temperature": 0.7} if g == 1 else {}
+        for k in range(size):
+            response = rng.integers(4, 90, size=int(rng.integers(1, 7))).tolist()
+            mask = [1] * len(response)
+            if len(response) > 2:
+                mask[1] = 0  # an observation token inside the response
+            out.append(make_exp(f"g{g}-{k}", prompt=prompt, response=response, mask=mask,
+                                advantage=float(rng.normal()), logprob=-3.0, facts=facts))
+    return out
+
+
+def test_chunked_logprobs_match_a_full_vocabulary_log_softmax(model):
+    samples = grpo_batch()
+    batch = collate(samples)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        pred = (batch.target_pos - 1).clamp_min(0)
+        full = torch.log_softmax(logits.gather(1, pred.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+                                 / batch.temperature, dim=-1)
+        want = full.gather(-1, batch.input_ids.gather(1, batch.target_pos).unsqueeze(-1)).squeeze(-1)
+        got = response_logprobs(model, batch, chunk=5)
+    m = batch.loss_mask
+    assert torch.allclose(got[m], want[m], atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prefix_packing_gives_the_unpacked_logprobs_and_gradients(tokenizer, attn):
+    cfg = tiny_config(len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, attn_implementation=attn)
+    model = build_tiny_model(cfg, seed=1)
+    samples = grpo_batch()
+    batch = collate(samples)
+    weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(0))
+    unpacked = response_logprobs(model, batch)
+    g_unpacked_all = torch.autograd.grad((unpacked * weights * batch.loss_mask).sum(), list(model.parameters()))
+    mbs = pack(samples, micro_batch_tokens=10_000)
+    assert len(mbs) == 1 and mbs[0].input_ids.shape[0] == 3  # one row per group: each prompt computed once
+    logp, entropy = packed_logprobs(model, mbs[0], chunk=7)
+    packed = unpack(samples, mbs, [logp])
+    m = batch.loss_mask
+    assert torch.allclose(packed[m], unpacked[m], atol=1e-4)
+    g_packed_all = torch.autograd.grad((packed * weights * m).sum(), list(model.parameters()))
+    for a, b in zip(g_unpacked_all, g_packed_all):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert all(g.abs().sum() > 0 for g in g_packed_all)
+    # entropy of the policy at those positions, against a full softmax
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        pred = (batch.target_pos - 1).clamp_min(0)
+        picked = logits.gather(1, pred.unsqueeze(-1).expand(-1, -1, logits.shape[-1])) / batch.temperature
+        want = torch.distributions.Categorical(logits=picked).entropy()
+    assert torch.allclose(unpack(samples, mbs, [entropy])[m], want[m], atol=1e-4)
+
+
+def test_micro_batches_stay_under_the_token_budget_and_split_long_groups():
+    samples = grpo_batch(groups=4, size=8, seed=3)
+    budget = 40
+    mbs = pack(samples, micro_batch_tokens=budget)
+    assert sum(len(mb.targets) for mb in mbs) == sum(len(s.response_ids) for s in samples)
+    assert all(mb.padded_tokens <= budget for mb in mbs)
+    seen = torch.cat([mb.sample_index * 100 + mb.token_index for mb in mbs])
+    assert len(set(seen.tolist())) == len(seen)  # every token exactly once
+    unshared = pack(samples, micro_batch_tokens=budget, share_prefix=False)
+    assert sum(mb.input_ids.shape[0] for mb in unshared) == len(samples)
+
+
+@pytest.mark.parametrize("objective", ["tis", "decoupled_ppo"])
+def test_accumulated_micro_batches_step_like_one_big_batch(tokenizer, objective):
+    cfg = tiny_config(len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    samples = grpo_batch(groups=3, size=4, seed=5)
+    results = []
+    for budget, share in ((100_000, False), (24, True), (24, False)):
+        m = build_tiny_model(cfg, seed=2)
+        lrn = Learner(m, LearnerConfig(batch_size=len(samples), lr=1e-2, objective=objective, grad_clip=100.0,
+                                       micro_batch_tokens=budget, share_prefix=share), max_staleness=1)
+        step = lrn.optimizer.step
+        grads_at_step: dict[str, torch.Tensor] = {}
+
+        def recording_step(step=step, grads_at_step=grads_at_step, m=m):
+            grads_at_step.update({n: p.grad.clone() for n, p in m.named_parameters()})
+            return step()
+
+        lrn.optimizer.step = recording_step
+        stats = lrn.train_on(samples)
+        results.append((stats, grads_at_step))
+    (big, big_g), *others = results
+    assert big["micro_batches"] == 1
+    for stats, accumulated in others:
+        assert stats["micro_batches"] > 1
+        for key in ("loss", "grad_norm", "tokens", "entropy", "behav_kl"):
+            assert stats[key] == pytest.approx(big[key], rel=1e-4, abs=1e-6), key
+        for name, g in accumulated.items():  # the gradient the optimizer steps on
+            assert torch.allclose(g, big_g[name], atol=1e-6), name
+
+
+def test_step_metrics_and_the_kl_to_the_reference_policy(model):
+    lrn = learner(model, batch_size=4, kl_coef=0.5, lr=5e-2)
+    batch = [make_exp(f"s{i}", response=[10 + i, 20, 30 + i, 40], advantage=1.0) for i in range(4)]
+    for s in batch:
+        lrn.offer(s)
+    first = lrn.step().metrics
+    assert {"loss", "grad_norm", "tokens", "entropy", "clip_frac", "kl_ref"} <= first.keys()
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the reference is the initial policy
+    assert first["entropy"] > 0 and first["grad_norm"] > 0 and first["tokens"] == 16
+    for s in batch:
+        lrn.offer(make_exp("again-" + s.sample_id, response=s.response_ids.tolist(), advantage=1.0))
+    second = lrn.step().metrics
+    assert second["kl_ref"] > 1e-4  # the policy moved away from the reference
+    assert lrn.reference is not None and not any(p.requires_grad for p in lrn.reference.parameters())
+
+
+def test_bf16_autocast_and_gradient_checkpointing(tokenizer):
+    cfg = tiny_config(len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    samples = grpo_batch(seed=7)
+    runs = {}
+    for name, opts in (("plain", {}), ("ckpt", {"gradient_checkpointing": True}), ("bf16", {"autocast": "bf16"})):
+        m = build_tiny_model(cfg, seed=3)
+        lrn = Learner(m, LearnerConfig(batch_size=len(samples), lr=1e-2, micro_batch_tokens=30, **opts),
+                      max_staleness=1)
+        runs[name] = (lrn.train_on(samples), mean_logprob(m, samples))
+    assert runs["ckpt"][0]["grad_norm"] == pytest.approx(runs["plain"][0]["grad_norm"], rel=1e-4)
+    assert runs["ckpt"][1] == pytest.approx(runs["plain"][1], abs=1e-5)
+    assert runs["bf16"][0]["loss"] == pytest.approx(runs["plain"][0]["loss"], rel=0.05, abs=0.02)
+    assert runs["bf16"][0]["grad_norm"] == pytest.approx(runs["plain"][0]["grad_norm"], rel=0.1)
+
+
+def test_lora_trains_adapters_only_and_publishes_merged_weights(tokenizer, tmp_path):
+    cfg = tiny_config(len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    model = build_tiny_model(cfg, seed=4)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    lrn = Learner(model, LearnerConfig(batch_size=4, lr=5e-2, lora_rank=4, kl_coef=0.1), max_staleness=1)
+    batch = [make_exp(f"s{i}", response=[10 + i, 20, 30 + i, 40], advantage=1.0) for i in range(4)]
+    before = mean_logprob(model, batch)
+    for _ in range(2):
+        stats = lrn.train_on(batch)
+    assert mean_logprob(model, batch) > before + 0.05 and stats["kl_ref"] > 0
+    with lrn.export_model() as merged:
+        exported = {k: v.clone() for k, v in merged.state_dict().items()}
+    assert exported.keys() == initial.keys()  # Hugging Face names: what save_pretrained publishes
+    changed = {k for k in initial if not torch.equal(initial[k], exported[k])}
+    assert changed and all(k.split(".")[-2] in lora.TARGETS for k in changed)
+    # the base weights come back exactly after the merge; the merged model computes what the adapted one does
+    assert all(torch.equal(a.base.weight, initial[n + ".weight"]) for n, a in lora.adapters(model).items())
+    plain = build_tiny_model(cfg, seed=4)
+    plain.load_state_dict(exported)
+    assert mean_logprob(plain, batch) == pytest.approx(mean_logprob(model, batch), abs=1e-5)
+    # a checkpoint (merged weights + adapter tensors) restores the same learner
+    state = lrn.state_dict()
+    again = Learner(build_tiny_model(cfg, seed=9), lrn.cfg, max_staleness=1)
+    again.load_state_dict(state)
+    assert mean_logprob(again.model, batch) == pytest.approx(mean_logprob(model, batch), abs=1e-5)
+    for n, a in lora.adapters(again.model).items():
+        assert torch.allclose(a.base.weight, initial[n + ".weight"], atol=1e-6)
 
 
 # -- staleness, de-duplication, ledger -------------------------------------------------------------------
