@@ -278,19 +278,23 @@ async def test_runtime_on_nats_creds_in_operator_mode(operator_nats: SecureNatsS
     assert operator_nats.operator is not None
     cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1),
                        nats=NatsConfig(url=operator_nats.url, credentials=str(operator_nats.operator.creds)))
-    weights = tmp_path / "model.safetensors"
-    save_file({"w": np.arange(300_000, dtype=np.float32)}, str(weights))  # > one 128 KiB object chunk
+    model = tmp_path / "model"  # what a weight version is: a (here made-up) Hugging Face model directory's files
+    model.mkdir()
+    save_file({"w": np.arange(300_000, dtype=np.float32)}, str(model / "model.safetensors"))  # > one 128 KiB chunk
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+        (model / name).write_text('{"made_up": true}')
+    files = sorted(model.iterdir())
     async with Runtime(cfg) as rt:
         await rt.producer.send(rt.names.dlq, letter(2), key="k")
         nats = rt.require_nats()
         await nats.kv_put(rt.names.bucket("control"), "hello", b"world")
         assert await nats.kv_get(rt.names.bucket("control"), "hello") == b"world"
-        manifest = await WeightPublisher(nats, rt.names).publish(1, [weights])
+        manifest = await WeightPublisher(nats, rt.names).publish(1, files)
         subscriber = WeightSubscriber(nats, rt.names, tmp_path / "fetched")
         latest = await WeightPublisher(nats, rt.names).latest()
         assert latest is not None and latest.version == manifest.version == 1
         vdir = await subscriber.fetch(latest)
-        assert (vdir / "model.safetensors").read_bytes() == weights.read_bytes()
+        assert {f.name: f.read_bytes() for f in vdir.iterdir()} == {f.name: f.read_bytes() for f in files}
 
 
 @pytest.mark.timeout(120)
