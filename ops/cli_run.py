@@ -36,7 +36,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, files=True)
         check_config_model_dir(cfg, args.config)
     except ConfigError as exc:
         print(f"rollout run: {exc}", file=sys.stderr)
