@@ -418,10 +418,10 @@ def make_python(rng: random.Random, difficulty: float) -> GeneratedTask:
 
 def fenced_code_format(text: str) -> float:
     """1 when the answer is one fenced Python block defining ``f`` (and nothing outside it)."""
-    blocks = re.findall(r"```(?:python|py)\n(.*?)```", text, flags=re.S)
-    if len(blocks) != 1 or text.strip() != text.strip()[: text.strip().rfind("```") + 3]:
+    m = re.fullmatch(r"```(?:python|py)\n(.*?)```", text.strip(), flags=re.S)
+    if m is None or "```" in m.group(1):
         return 0.0
-    return code_format(blocks[0])
+    return code_format(m.group(1))
 
 
 def make_shell(rng: random.Random, difficulty: float) -> GeneratedTask:

@@ -285,7 +285,7 @@ class Progress:
     def __init__(self, out: Any, every_s: float = 30.0, width: int = 24) -> None:
         self.out, self.every_s, self.width = out, every_s, width
         self.tty = bool(getattr(out, "isatty", lambda: False)())
-        self._last_text, self._last_print = "", 0.0
+        self._last_text, self._last_print, self._printed = "", float("-inf"), ""
 
     def update(self, fraction: float, text: str) -> None:
         fraction = min(1.0, max(0.0, fraction))
@@ -298,13 +298,13 @@ class Progress:
         elif time.monotonic() - self._last_print >= self.every_s:
             self.out.write(line + "\n")
             self.out.flush()
-            self._last_print = time.monotonic()
+            self._last_print, self._printed = time.monotonic(), line
         self._last_text = line
 
     def close(self) -> None:
         if self.tty:
             self.out.write("\n")
-        elif self._last_text:
+        elif self._last_text and self._last_text != self._printed:
             self.out.write(self._last_text + "\n")
         self.out.flush()
 
