@@ -3,6 +3,10 @@
 Publish order is the protocol: every object is stored first, then the manifest is put under
 ``Names.WEIGHTS_KEY``; the KV update is the announcement, so a watcher never sees a version whose
 objects are missing. Fetches check each object's sha256 against the manifest.
+
+Both buckets are the connection's configured ones (``nats.weights_bucket``, ``nats.kv_bucket``, each
+prefixed by the namespace): publisher and subscriber read them from the ``Nats`` they are given, so no
+user of the weights can name a bucket the rest of the deployment does not use.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ class WeightPublisher:
         self.nats = nats
         self.names = names
         self.producer = producer
-        self.bucket = names.bucket("weights")
-        self.kv_bucket = names.bucket("control")
+        self.bucket = names.bucket(nats.cfg.weights_bucket)
+        self.kv_bucket = names.bucket(nats.cfg.kv_bucket)
 
     async def publish(self, version: int, files: list[str | Path], step: int = 0, keep: int = 3) -> WeightManifest:
         """Store ``files`` (safetensors) as version ``version``, then announce it."""
@@ -84,8 +88,8 @@ class WeightSubscriber:
         self.names = names
         self.dest = Path(dest)
         self.timeout_s = timeout_s
-        self.bucket = names.bucket("weights")
-        self.kv_bucket = names.bucket("control")
+        self.bucket = names.bucket(nats.cfg.weights_bucket)
+        self.kv_bucket = names.bucket(nats.cfg.kv_bucket)
 
     async def manifests(self) -> AsyncIterator[WeightManifest]:
         async for raw in self.nats.kv_watch(self.kv_bucket, Names.WEIGHTS_KEY):
