@@ -335,7 +335,8 @@ async def test_the_learner_and_weight_watchers_use_the_configured_buckets(
         stray_status = await nats.kv_get(rt.names.bucket("control"), Names.LEARNER_VERSION_KEY)
         stray_manifest = await nats.kv_get(rt.names.bucket("control"), Names.WEIGHTS_KEY)
 
-    assert (manifest.version, sub.bucket, sub.kv_bucket) == (1, rt.names.bucket("w-custom"), rt.names.bucket("ctl-custom"))
+    assert manifest.version == 1
+    assert (sub.bucket, sub.kv_bucket) == (rt.names.bucket("w-custom"), rt.names.bucket("ctl-custom"))
     assert (vdir / "model.safetensors").is_file()
     assert stray_status is None and stray_manifest is None
 
