@@ -21,7 +21,7 @@ from actors.domains import DOMAINS, score
 from actors.inference.actor import format_observation
 from actors.inference.sglang_client import SGLangClient
 from sandboxes import SandboxPool
-from sandboxes.verifiers import VERIFIERS, TerminalEpisode
+from sandboxes.verifiers import TerminalEpisode
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,10 +41,9 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
     params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop": ["\n"]}
     if temperature > 0 and sampling_seed is not None:
         params["sampling_seed"] = sampling_seed
-    verifier = DOMAINS[domain].verifier
     if DOMAINS[domain].turns(spec) <= 1:
         result = await client.generate(text=prompt, sampling_params=params, return_logprob=False)
-        return result.text, await VERIFIERS[verifier](result.text, spec, pool)
+        return result.text, await DOMAINS[domain].verify(result.text, spec, pool)
     episode = TerminalEpisode(spec, pool)
     await episode.open()
     context, commands = prompt, []
