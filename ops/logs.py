@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 
 
 class JsonFormatter(logging.Formatter):
@@ -36,3 +38,18 @@ def setup_logging(level: str = "INFO", *, json_lines: bool | None = None) -> Non
     root.setLevel(level.upper())
     for noisy in ("kafka", "aiohttp.access", "nats"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+@contextlib.contextmanager
+def quiet(*names: str) -> Iterator[None]:
+    """Silence the named loggers for the block (a client library's retry chatter while the daemon starts:
+    a start-up that fails says why in one line of its own)."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
