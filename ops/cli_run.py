@@ -40,7 +40,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ops.logs import setup_logging
+    from ops.logs import route_model_library_output, setup_logging
 
     setup_logging(args.log_level)
     try:
@@ -48,6 +48,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"rollout run: {exc}", file=sys.stderr)
         return 2
+    if {"inference", "learner"} & set(args.roles or cfg.roles):
+        route_model_library_output()  # stderr stays JSON lines when models are loaded and weights published
     try:
         return anyio.run(run_daemon, cfg, args.roles, args.run_dir, args.instance, args.debug)
     except Exception as exc:
