@@ -4,7 +4,8 @@ A :class:`Domain` bundles what the engine needs to know about one kind of task:
 
 - ``generate(rng, difficulty) -> (prompt, spec)``: a task, deterministic given the ``random.Random``
   state; ``difficulty`` in [0, 1] makes it longer or harder (the scheduler's curriculum drives it).
-  ``spec`` is the input of the domain's verifier (``sandboxes/verifiers.py``, named by ``verifier``).
+  ``spec`` is the input of the domain's verifier: a built-in one named by ``verifier`` (a key of
+  ``sandboxes.verifiers.VERIFIERS``) or the domain's own async function.
 - ``demonstrate(rng, difficulty) -> (prompt, completion)``: the same task with an ideal completion,
   for a short supervised warm start.
 - ``reward(facts, text) -> float`` in [0, 1]: correctness from the verifier's facts;
@@ -20,6 +21,10 @@ buckets. The two splits therefore never share a prompt, whatever the seeds. Held
 seed streams disjoint from any training stream (see :func:`split_rng`).
 
 Rewards (:func:`reward_fn`): ``correctness + format_weight * format - length_penalty * generated_tokens``.
+
+Registry: :data:`DOMAINS`, filled by :func:`register_domain`, is the one table of domains. The scheduler
+(generators), the verify actor (verifier), the reward actor (reward and format functions) and the
+evaluation read a domain from it; a new domain is one ``register_domain(Domain(...))`` call.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 from engine.config import RewardConfig
 from engine.schemas import Completion
+from sandboxes.verifiers import VERIFIERS, Verifier
 
 Spec = dict[str, Any]
 Facts = dict[str, Any]
@@ -73,11 +79,13 @@ def split_rng(seed: int, split: str) -> random.Random:
 
 @dataclasses.dataclass(frozen=True)
 class Domain:
-    """A kind of task: generator, verifier name, reward and format functions, turn budget."""
+    """A kind of task: generator, verifier, reward and format functions, turn budget."""
 
     name: str
-    verifier: str
-    """Key of ``sandboxes.verifiers.VERIFIERS`` that judges this domain's completions."""
+    verifier: str | Verifier
+    """What judges this domain's completions: a key of ``sandboxes.verifiers.VERIFIERS`` (``answer``,
+    ``code``, ``terminal``) or the domain's own ``async verify(completion_text, spec, pool) -> facts``
+    (``pool`` is the sandbox role's ``SandboxPool``; facts are what its ``reward`` reads)."""
     make: TaskFn
     reward: RewardFn
     format_score: FormatFn
@@ -124,6 +132,18 @@ class Domain:
     def turns(self, spec: Spec) -> int:
         """Turn budget of one task."""
         return int(spec.get("max_turns", self.max_turns))
+
+    @property
+    def verifier_name(self) -> str:
+        """The verifier an outcome names: the built-in verifier's key, or the domain's name for its own."""
+        return self.verifier if isinstance(self.verifier, str) else self.name
+
+    @property
+    def verify(self) -> Verifier:
+        """The verifier function (raises ``KeyError`` for an unknown built-in name)."""
+        if isinstance(self.verifier, str):
+            return VERIFIERS[self.verifier]
+        return self.verifier
 
 
 # -- arith -------------------------------------------------------------------------------------------
@@ -301,19 +321,30 @@ def terminal_format(text: str) -> float:
 
 # -- registries --------------------------------------------------------------------------------------
 
-REWARD_FNS: dict[str, RewardFn] = {"answer": answer_reward, "code": code_reward, "terminal": terminal_reward}
-"""Reward functions by domain name, plus one per verifier name (the fallback for unregistered domains)."""
+VERIFIER_REWARDS: dict[str, RewardFn] = {"answer": answer_reward, "code": code_reward, "terminal": terminal_reward}
+"""The reward of a task whose domain is not registered (a JSONL task, ``spec["verifier"]``), by verifier name."""
 
 DOMAINS: dict[str, Domain] = {}
+"""Every domain by name: what the scheduler, the verify and reward actors and the evaluation read."""
 
 
 def register_domain(domain: Domain, *, replace: bool = False) -> Domain:
-    """Add ``domain`` to ``DOMAINS`` and its reward function to ``REWARD_FNS``."""
+    """Add ``domain`` to ``DOMAINS``: from then on it is generated, verified, rewarded and evaluated."""
     if domain.name in DOMAINS and not replace:
         raise ValueError(f"domain {domain.name!r} is already registered (pass replace=True)")
+    if isinstance(domain.verifier, str) and domain.verifier not in VERIFIERS:
+        raise ValueError(f"domain {domain.name!r}: verifier {domain.verifier!r} is not one of {sorted(VERIFIERS)} "
+                         "(or pass the domain's own async verify function)")
+    if not isinstance(domain.verifier, str) and not callable(domain.verifier):
+        raise TypeError(f"domain {domain.name!r}: verifier must be a name or an async function, "
+                        f"got {type(domain.verifier).__name__}")
     DOMAINS[domain.name] = domain
-    REWARD_FNS[domain.name] = domain.reward
     return domain
+
+
+def unregister_domain(name: str) -> Domain | None:
+    """Remove a domain (tests that register their own); returns it, or None when it was not registered."""
+    return DOMAINS.pop(name, None)
 
 
 register_domain(Domain("arith", "answer", make_arith, answer_reward, answer_format))
@@ -335,20 +366,21 @@ def score(domain: str, facts: Facts, completion: Completion | str, cfg: RewardCo
           *, verifier: str | None = None) -> RewardBreakdown:
     """Reward of one completion with its terms.
 
-    The correctness function is the domain's (or, for an unregistered domain, the ``verifier``'s).
+    The correctness function is the registered domain's (or, for an unregistered domain, the ``verifier``'s).
     ``generated_tokens`` counts model tokens (loss mask) of a Completion, or characters of a plain text
     (the default tokenizer is character-level).
     """
     cfg = cfg or RewardConfig()
     text = completion.text if isinstance(completion, Completion) else completion
-    fn = REWARD_FNS.get(domain) or (REWARD_FNS.get(verifier) if verifier else None)
+    registered = DOMAINS.get(domain)
+    fn = registered.reward if registered is not None else VERIFIER_REWARDS.get(verifier) if verifier else None
     if fn is None:
         raise KeyError(f"no reward function for domain {domain!r} (verifier {verifier!r}); "
-                       f"registered: {sorted(REWARD_FNS)}")
+                       f"domains: {sorted(DOMAINS)}, verifiers: {sorted(VERIFIER_REWARDS)}")
     correctness = fn(facts, text)
     fmt = 0.0
     if cfg.format_weight:
-        fmt_fn = DOMAINS[domain].format_score if domain in DOMAINS else None
+        fmt_fn = registered.format_score if registered is not None else None
         fmt = fmt_fn(text) if fmt_fn is not None else 0.0
     tokens = int(completion.loss_mask.sum()) if isinstance(completion, Completion) else len(text)
     total = correctness + cfg.format_weight * fmt - cfg.length_penalty * tokens

@@ -22,7 +22,7 @@ from actors.inference.actor import format_observation
 from actors.inference.sglang_client import SGLangClient
 from actors.llm import has_chat_template, render_observation, render_prompt
 from sandboxes import SandboxPool
-from sandboxes.verifiers import VERIFIERS, TerminalEpisode
+from sandboxes.verifiers import TerminalEpisode
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,8 +49,6 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
         params["stop"] = ["\n"]
     if temperature > 0 and sampling_seed is not None:
         params["sampling_seed"] = sampling_seed
-    verifier = DOMAINS[domain].verifier
-
     async def generate(context: Any) -> Any:
         if chat:
             return await client.generate(list(context), sampling_params=params, return_logprob=False)
@@ -59,7 +57,7 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
     context: Any = render_prompt(tokenizer, prompt) if chat else prompt
     if DOMAINS[domain].turns(spec) <= 1:
         result = await generate(context)
-        return result.text, await VERIFIERS[verifier](result.text, spec, pool)
+        return result.text, await DOMAINS[domain].verify(result.text, spec, pool)
     episode = TerminalEpisode(spec, pool)
     await episode.open()
     commands: list[str] = []

@@ -236,8 +236,7 @@ class LearnerActor(Actor):
                   "trained": ledger.trained, "dropped_stale": ledger.dropped_stale, "filtered": ledger.filtered,
                   "never_trained": self.learner.never_trained}
         self._status_never_trained = self.learner.never_trained
-        await self.rt.require_nats().kv_put(self.rt.names.bucket("control"), Names.LEARNER_VERSION_KEY,
-                                            json.dumps(status).encode())
+        await self.rt.require_nats().kv_put(self.rt.kv_bucket, Names.LEARNER_VERSION_KEY, json.dumps(status).encode())
 
     async def _announce_on_start(self) -> None:
         assert self.learner is not None and self.publisher is not None

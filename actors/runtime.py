@@ -51,6 +51,12 @@ class Runtime:
         self.nats: Nats | None = Nats(cfg.nats) if use_nats else None
         self._started = False
 
+    @property
+    def kv_bucket(self) -> str:
+        """The deployment's control KV bucket (``nats.kv_bucket`` under the namespace): weights manifest,
+        learner status, scheduler and reward statistics all live there."""
+        return self.names.bucket(self.cfg.nats.kv_bucket)
+
     def partitions(self, suffix: str) -> int:
         return self.cfg.kafka.partitions.get(suffix, self.cfg.kafka.default_partitions)
 

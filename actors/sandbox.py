@@ -5,9 +5,9 @@
   ``setup_files`` written), ``step`` runs a command in the episode's shell session, ``close`` runs the
   final-state checks and gives the sandbox back (the pool resets it to pristine). Every reply goes to
   ``rollout.sandbox.results`` at the request's ``reply_partition``, key episode_id.
-- :class:`VerifyActor` consumes ``rollout.completions`` (key task_id), picks a verifier by domain
-  (:data:`DOMAIN_VERIFIERS`, or ``spec["verifier"]``) and emits an :class:`~engine.schemas.Outcome`
-  to ``rollout.outcomes``, key task_id.
+- :class:`VerifyActor` consumes ``rollout.completions`` (key task_id), runs the verifier of the
+  completion's domain (``actors.domains.DOMAINS``; a built-in one named in ``spec["verifier"]``
+  overrides it) and emits an :class:`~engine.schemas.Outcome` to ``rollout.outcomes``, key task_id.
 
 Invariants:
 
@@ -48,19 +48,16 @@ from typing import Any, ClassVar
 from opentelemetry.trace import SpanKind
 
 from actors import tracing
+from actors.domains import DOMAINS
 from actors.runtime import Runtime, StreamActor
 from engine.actor import ActorSpec
 from engine.config import SandboxConfig
 from engine.schemas import EPISODES_FULL, SANDBOX_ERROR, Completion, Outcome, SandboxRequest, SandboxResult
 from sandboxes import Limits, SandboxError, SandboxPool
-from sandboxes.verifiers import VERIFIERS, Facts, TerminalEpisode
+from sandboxes.verifiers import VERIFIERS, Facts, TerminalEpisode, Verifier
 from streams.kafka import Record, StreamError
 
 log = logging.getLogger("rollout.actors.sandbox")
-
-DOMAIN_VERIFIERS: dict[str, str] = {"arith": "answer", "math": "answer", "code": "code", "terminal": "terminal",
-                                    "python": "code", "shell": "terminal", "docqa": "answer"}
-"""Domain name -> verifier kind (a key of ``sandboxes.verifiers.VERIFIERS``); ``spec["verifier"]`` overrides."""
 
 EPISODE_UNKNOWN = "episode_unknown"
 
@@ -139,17 +136,18 @@ def clamp_spec(spec: dict[str, Any], cfg: SandboxConfig, settings: SandboxSettin
     return out, clamped
 
 
-def pick_verifier(domain: str, spec: dict[str, Any], registry: dict[str, str] | None = None) -> str:
-    """The verifier kind for a completion: ``spec["verifier"]`` if set, else the domain's entry."""
+def pick_verifier(domain: str, spec: dict[str, Any]) -> tuple[str, Verifier]:
+    """The verifier of a completion and the name its outcome carries: the built-in one named by
+    ``spec["verifier"]`` if set, else the registered domain's (``Domain.verifier_name``, ``Domain.verify``)."""
     override = spec.get("verifier")
     if override is not None:
-        if override not in VERIFIERS:
+        if not isinstance(override, str) or override not in VERIFIERS:
             raise ValueError(f"spec.verifier {override!r} is not one of {sorted(VERIFIERS)}")
-        return str(override)
-    kind = (registry or DOMAIN_VERIFIERS).get(domain)
-    if kind is None:
-        raise ValueError(f"no verifier for domain {domain!r}")
-    return kind
+        return override, VERIFIERS[override]
+    registered = DOMAINS.get(domain)
+    if registered is None:
+        raise ValueError(f"no verifier for domain {domain!r}: it is not registered (domains: {sorted(DOMAINS)})")
+    return registered.verifier_name, registered.verify
 
 
 def failed_facts(kind: str, spec: dict[str, Any], error: str) -> Facts:
@@ -444,10 +442,8 @@ class VerifyActor(_SandboxActorBase):
     topics: ClassVar[list[str]] = ["completions"]
     expect: ClassVar[tuple[str, ...]] = (Completion.SCHEMA,)
 
-    def __init__(self, rt: Runtime, resources: SandboxResources, name: str | None = None,
-                 registry: dict[str, str] | None = None) -> None:
+    def __init__(self, rt: Runtime, resources: SandboxResources, name: str | None = None) -> None:
         super().__init__(rt, resources, name)
-        self.registry = {**DOMAIN_VERIFIERS, **(registry or {})}
         self.verified: collections.Counter[str] = collections.Counter()
         self.verifier_errors = 0
         self.episodes_lost = 0
@@ -473,7 +469,7 @@ class VerifyActor(_SandboxActorBase):
     async def verify(self, completion: Completion) -> tuple[str, Facts, str]:
         """(verifier kind, facts, error); never raises on bad model output or specs."""
         try:
-            kind = pick_verifier(completion.domain, completion.spec, self.registry)
+            kind, verifier = pick_verifier(completion.domain, completion.spec)
         except ValueError as exc:
             self.verifier_errors += 1
             return "none", {"error": str(exc)}, str(exc)
@@ -489,8 +485,9 @@ class VerifyActor(_SandboxActorBase):
             return kind, dict(completion.episode_facts), ""  # judged when the episode closed
         spec, clamped = clamp_spec(completion.spec, self.resources.cfg, self.resources.settings)
         try:
-            source = None if kind == "answer" else self.resources.pool
-            facts = await VERIFIERS[kind](completion.text, spec, source)
+            facts = await verifier(completion.text, spec, self.resources.pool)
+            if not isinstance(facts, dict):  # a domain's own verifier broke its contract
+                raise TypeError(f"verifier {kind!r} returned {type(facts).__name__}, not a dict of facts")
         except SandboxError as exc:
             raise StreamError(f"sandbox failure verifying {completion.sample_id}: {exc}") from exc
         except Exception as exc:  # hostile output or a malformed spec: a zero score, not a crash

@@ -283,7 +283,7 @@ class SchedulerActor(Actor):
         self.learner = LearnerStatus()
         self._rng = random.Random(f"scheduler:{cfg.seed}")
         self._changed = anyio.Event()
-        self._bucket = self.names.bucket(rt.cfg.nats.kv_bucket)
+        self._bucket = rt.kv_bucket
         self.admitted_samples = 0
         self.tasks_admitted = 0
         self.blocked_waits = 0

@@ -60,9 +60,6 @@ class Names:
     def dlq(self) -> str:
         return self.topic("dlq")
 
-    def all_topics(self) -> list[str]:
-        return [self.topic(s) for s in TOPIC_SUFFIXES]
-
     def group(self, role: str) -> str:
         """Kafka consumer group of a role."""
         return f"{self.namespace}.{role}"

@@ -67,6 +67,7 @@ def process_rss(procs: dict[str, RoleProc]) -> dict[str, int]:
 def run(plan: Plan, work: Path, *, log: Any = print) -> dict[str, Any]:
     from actors.llm import write_tiny_model_dir
     from actors.scheduler import SCHEDULER_STATUS_KEY
+    from engine.config import EngineConfig
     from engine.topics import Names
 
     started = time.monotonic()
@@ -80,7 +81,7 @@ def run(plan: Plan, work: Path, *, log: Any = print) -> dict[str, Any]:
                                max_tasks=None, batch_size=plan.batch_size, max_staleness=plan.max_staleness,
                                domains=plan.domains, learner={"max_steps": plan.max_steps, "checkpoint_every": 100})
         path = write_toml(data, work / "backpressure.toml")
-        bucket = Names(namespace).bucket("control")
+        bucket = Names(namespace).bucket(EngineConfig.model_validate(data).nats.kv_bucket)
         for name in ("learner", "scheduler", "inference", "sandbox", "reward"):
             procs[name] = RoleProc(name, name, path, work)
         procs["learner"].start()

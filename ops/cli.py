@@ -19,7 +19,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sandbox": ("ops.cli_sandbox", "run commands in isolated sandboxes"),
     "inference": ("ops.cli_inference", "serve the local SGLang-protocol inference backend"),
     "loadtest": ("ops.cli_loadtest", "load tests: sandboxes, soak"),
-    "tasks": ("ops.cli_tasks", "publish tasks to a running deployment"),
     "model": ("ops.cli_model", "prepare real models (fetch, convert, cache) and check model directories"),
     "demo": ("ops.cli_demo", "the main job: a short real RL run on the local stack"),
 }
@@ -33,20 +32,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if only is not None and name != only:
             continue
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            p.set_defaults(func=lambda _args, _n=name: _not_available(_n))
-            continue
-        module.register(p)
+        importlib.import_module(module_name).register(p)
     return parser
-
-
-def _not_available(name: str) -> int:
-    print(f"rollout: the '{name}' command is not built yet", file=sys.stderr)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

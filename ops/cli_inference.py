@@ -52,7 +52,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from actors.inference.local.server import InsecureBindError, ServerConfig, is_loopback, serve
+    from actors.inference.local.server import InsecureBindError, ModelLoadError, ServerConfig, is_loopback, serve
 
     if args.max_batch < 1 or args.chunk_size < 1:
         print("rollout inference serve: --max-batch and --chunk-size must be at least 1", file=sys.stderr)
@@ -105,6 +105,9 @@ def _serve(args: argparse.Namespace) -> int:
         asyncio.run(main())
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
+    except ModelLoadError as exc:  # the traceback is already logged above
+        print(f"rollout inference serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

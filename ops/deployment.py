@@ -24,6 +24,10 @@ from engine.config import ROLES, EngineConfig
 log = logging.getLogger("rollout.deployment")
 
 
+class StartupError(RuntimeError):
+    """Something the deployment needs before it can start is missing; the message names the setting."""
+
+
 def ensure_model_dir(cfg: EngineConfig, run_dir: Path) -> Path:
     """The HF model directory the local backend serves and the learner starts from.
 
@@ -80,6 +84,7 @@ class Deployment:
         from ops.http import HttpServer
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._check_model_dir()
         self._setup_tracing()
         enter = self._stack.enter_async_context
         self.rt = rt = await enter(Runtime(self.cfg, instance=self.instance))
@@ -140,15 +145,30 @@ class Deployment:
         tel = self.cfg.telemetry
         self.heartbeater = Heartbeater(rt, self.supervisor, tel.heartbeat_s)
         self.recorder = Recorder.from_supervisor(self.supervisor, lag=lambda: self.heartbeater.lag)
-        self.http = await enter(HttpServer(tel.http_host, tel.http_port, self.supervisor,
-                                           control_token=tel.control_token,
-                                           extra_routes=lambda app: dashboard_routes(app, self.recorder)))
+        try:
+            self.http = await enter(HttpServer(tel.http_host, tel.http_port, self.supervisor,
+                                               control_token=tel.control_token,
+                                               extra_routes=lambda app: dashboard_routes(app, self.recorder)))
+        except OSError as exc:
+            raise StartupError(f"cannot listen on telemetry.http_host:http_port = {tel.http_host}:{tel.http_port}: "
+                               f"{exc.strerror or exc}") from exc
         self.http.registry.register(LagCollector(self.heartbeater, self.supervisor))
         log.info("deployment %s: roles %s; http %s", self.cfg.namespace, self.roles, self.http.url)
         if self.cfg.supervision.gc_freeze:
             from engine.process import freeze_startup_heap
 
             freeze_startup_heap()
+
+    def _check_model_dir(self) -> None:
+        """Refuse a configured model directory that plainly cannot be loaded, before connecting to anything."""
+        model_dir = self.cfg.inference.model_dir
+        if not model_dir or not {"inference", "learner"} & set(self.roles):
+            return
+        from actors.inference.launch import model_dir_problems
+
+        problems = model_dir_problems(model_dir)
+        if problems:
+            raise StartupError(f"inference.model_dir = {model_dir}: {'; '.join(problems)}")
 
     def _setup_tracing(self) -> None:
         """Install this process's span exporter (if ``telemetry.tracing``); flushed when the deployment closes."""

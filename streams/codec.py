@@ -13,11 +13,8 @@ route such records to the dead-letter topic.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import time
 import uuid
-from typing import Any
 
 import msgpack
 
@@ -45,14 +42,6 @@ class Envelope:
     id: str
     created_at: float
     producer: str
-
-    @property
-    def schema(self) -> str:
-        return self.message.SCHEMA
-
-
-def default_producer(role: str = "client") -> str:
-    return f"{role}/{socket.gethostname()}/{os.getpid()}"
 
 
 def new_message_id() -> str:
@@ -112,8 +101,3 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, expect: tuple[str
         created_at=float(created) if isinstance(created, (int, float)) else 0.0,
         producer=producer if isinstance(producer, str) else "",
     )
-
-
-def decode_body(data: bytes) -> Any:
-    """Raw MessagePack decode with no schema (tools and the dead-letter reader)."""
-    return msgpack.unpackb(data, raw=False)

@@ -68,6 +68,17 @@ def client_security(cfg: KafkaConfig) -> dict[str, Any]:
     return out
 
 
+def kafka_reason(exc: BaseException, what: str = "the request") -> str:
+    """``Type: detail`` of a kafka-python error, once: its ``str()`` already starts with the type's name, and
+    an error raised with no detail (a request or ``Timer`` that expired) reads ``KafkaTimeoutError: None``;
+    then say what timed out instead."""
+    name = type(exc).__name__
+    detail = [str(a) for a in exc.args if a is not None and str(a)]
+    if not detail:
+        return f"{name}: {what} timed out" if isinstance(exc, KafkaTimeoutError) else name
+    return f"{name}: {'; '.join(detail)}"
+
+
 def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
     """A StreamError naming the broker and, for a refusal or a bootstrap that never completed, the security
     settings in use (never the password). A refusal the broker explained (wrong password, a certificate
@@ -83,7 +94,10 @@ def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
 
 
 def _describe(exc: KafkaError) -> str:
-    """``Type: message`` without the ``[Error N] Type: Type:`` repetitions kafka-python's errors carry."""
+    """``Type: message`` without the ``[Error N] Type: Type:`` repetitions kafka-python's errors carry; an
+    error with no detail says what timed out (``kafka_reason``)."""
+    if not any(a is not None and str(a) for a in exc.args):
+        return kafka_reason(exc, "waiting for the broker")
     name, text = type(exc).__name__, re.sub(r"^\[Error -?\d+\] ", "", str(exc))
     while text.startswith(f"{name}: "):
         text = text[len(name) + 2:]
@@ -212,7 +226,9 @@ async def ensure_topics(cfg: KafkaConfig, topics: dict[str, int]) -> None:
     try:
         await anyio.to_thread.run_sync(_ensure_topics_sync, cfg, topics)
     except KafkaError as exc:
-        raise _connect_error(f"could not create topics {sorted(topics)} on", cfg, exc) from exc
+        names = sorted(topics)
+        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+        raise _connect_error(f"could not create topics ({shown}) on", cfg, exc) from exc
 
 
 # -- producer ---------------------------------------------------------------------------------------
@@ -390,7 +406,8 @@ class Producer:
                 continue
             if exc is not None:
                 self.errors += 1
-                fut.set_exception(StreamError(f"produce failed: {exc}") if not isinstance(exc, StreamError) else exc)
+                fut.set_exception(exc if isinstance(exc, StreamError) else
+                                  StreamError(f"produce failed: {kafka_reason(exc, 'the produce request')}"))
                 # Nobody may await a send_nowait future; retrieve it so asyncio does not warn.
                 fut.exception()
             else:
@@ -760,7 +777,7 @@ class Consumer:
                 self._consumer.commit_async({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
                                              for (t, p), o in offsets.items()})
             except KafkaError as exc:
-                log.warning("commit on revoke failed: %s", exc)
+                log.warning("commit on revoke failed: %s", kafka_reason(exc, "the commit"))
         with self._tracker_lock:
             self._tracker.revoke(keys)
         self.assigned -= set(keys)

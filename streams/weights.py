@@ -10,6 +10,10 @@ safetensors (one file, or shards with ``model.safetensors.index.json``) and the 
 what SGLang's ``/update_weights_from_disk`` reads (its loader takes every ``*.safetensors`` the index
 names, by the Hugging Face tensor names) and also what ``--model-path`` or the local server can start
 from. :func:`check_hf_dir` refuses a fetched version that is not complete, naming what is missing.
+
+Both buckets are the connection's configured ones (``nats.weights_bucket``, ``nats.kv_bucket``, each
+prefixed by the namespace): publisher and subscriber read them from the ``Nats`` they are given, so no
+user of the weights can name a bucket the rest of the deployment does not use.
 """
 
 from __future__ import annotations
@@ -79,8 +83,8 @@ class WeightPublisher:
         self.nats = nats
         self.names = names
         self.producer = producer
-        self.bucket = names.bucket("weights")
-        self.kv_bucket = names.bucket("control")
+        self.bucket = names.bucket(nats.cfg.weights_bucket)
+        self.kv_bucket = names.bucket(nats.cfg.kv_bucket)
 
     async def publish(self, version: int, files: list[str | Path], step: int = 0, keep: int = 3) -> WeightManifest:
         """Store ``files`` (a model directory's files, flat) as version ``version``, then announce it."""
@@ -125,8 +129,8 @@ class WeightSubscriber:
         self.names = names
         self.dest = Path(dest)
         self.timeout_s = timeout_s
-        self.bucket = names.bucket("weights")
-        self.kv_bucket = names.bucket("control")
+        self.bucket = names.bucket(nats.cfg.weights_bucket)
+        self.kv_bucket = names.bucket(nats.cfg.kv_bucket)
 
     async def manifests(self) -> AsyncIterator[WeightManifest]:
         async for raw in self.nats.kv_watch(self.kv_bucket, Names.WEIGHTS_KEY):

@@ -4,6 +4,10 @@ The server prints one JSON line ``{"event": "listening", ..., "url": ...}`` once
 readiness is then ``/health_generate`` answering 200. The child is stopped by its pid (SIGTERM,
 then SIGKILL after a grace period), never by name. An api key reaches the child in its environment
 (``ROLLOUT__INFERENCE__API_KEY``), never on its command line, which every user of the host can read.
+
+A model directory that plainly cannot be served (:func:`model_dir_problems`) is refused before any
+process is spawned, and a child that exits during start-up (the server exits when its model fails
+to load) ends the wait at once: a bad directory is reported in seconds, not after the start-up timeout.
 """
 
 from __future__ import annotations
@@ -40,7 +44,27 @@ def _die_with_parent() -> None:
 
 
 class LocalServerError(RuntimeError):
-    """The local inference server did not start; the message carries the tail of its log."""
+    """The local inference server did not start; the message says why and where its log is."""
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def model_dir_problems(model_dir: str | Path) -> list[str]:
+    """What a glance shows missing from a Hugging Face model directory (the directory itself, config.json,
+    weights, tokenizer files); empty when nothing is. Loading can still fail on what it finds there."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        return ["the directory does not exist" if not path.exists() else "it is not a directory"]
+    problems = []
+    if not (path / "config.json").is_file():
+        problems.append("no config.json")
+    if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
+        problems.append(f"no weights (none of {', '.join(WEIGHT_FILES)} or *.safetensors)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    return problems
 
 
 class LocalServer:
@@ -61,6 +85,9 @@ class LocalServer:
         self.url: str | None = None
 
     async def start(self) -> str:
+        problems = model_dir_problems(self.model_dir)
+        if problems:
+            raise LocalServerError(f"cannot serve model directory {self.model_dir}: {'; '.join(problems)}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         argv = [sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", "--model-dir", self.model_dir,
@@ -78,27 +105,36 @@ class LocalServer:
             with anyio.fail_after(self.startup_timeout_s):
                 line = await anyio.to_thread.run_sync(self.proc.stdout.readline)
                 if not line:
-                    raise LocalServerError(f"local inference server exited: {self._log_tail()}")
+                    raise self._exited()
                 self.url = json.loads(line)["url"]
                 async with SGLangClient([self.url], timeout=10, retries=0, api_key=self.api_key) as client:
                     while not await client.health_generate():
                         if self.proc.poll() is not None:
-                            raise LocalServerError(f"local inference server exited: {self._log_tail()}")
+                            raise self._exited()
                         await anyio.sleep(0.1)
         except TimeoutError:
             self.stop()
-            raise LocalServerError(f"local inference server not healthy after {self.startup_timeout_s}s: "
-                                   f"{self._log_tail()}") from None
+            raise LocalServerError(f"local inference server for {self.model_dir} not healthy after "
+                                   f"{self.startup_timeout_s}s: {self._last_log_line()} (log: {self.log_path})") from None
         except BaseException:
             self.stop()
             raise
         return self.url
 
-    def _log_tail(self, n: int = 2000) -> str:
+    def _exited(self) -> LocalServerError:
+        assert self.proc is not None
+        rc = self.proc.wait()
+        return LocalServerError(f"local inference server for {self.model_dir} exited with code {rc} during start-up: "
+                                f"{self._last_log_line()} (log: {self.log_path})")
+
+    def _last_log_line(self) -> str:
+        """The server's last word: its last log line that is not part of a traceback's frames."""
         try:
-            return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+            lines = self.log_path.read_bytes()[-8000:].decode("utf-8", "replace").splitlines()
         except OSError:
             return "(no log)"
+        lines = [ln.strip() for ln in lines if ln.strip() and not ln.startswith((" ", "\t", "Traceback"))]
+        return lines[-1] if lines else "(empty log)"
 
     def stop(self, grace_s: float = 10.0) -> None:
         proc, self.proc = self.proc, None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -208,7 +209,7 @@ async def test_a_crash_after_a_checkpoint_neither_loses_nor_retrains_a_sample(
         actor = LearnerActor(rt, model_dir, on_step=life_two.append)
         with anyio.fail_after(120):
             await actor.run()  # returns at max_steps
-        status = json.loads(await rt.require_nats().kv_get(rt.names.bucket("control"), Names.LEARNER_VERSION_KEY))
+        status = json.loads(await rt.require_nats().kv_get(rt.kv_bucket, Names.LEARNER_VERSION_KEY))
 
     assert actor.resumed_from is not None and actor.resumed_from.name == "step-00000002-v000002"
     assert [r.step for r in life_two] == [3, 4, 5, 6, 7]
@@ -258,7 +259,7 @@ async def test_weights_are_published_with_matching_digests_and_the_status_key_is
         manifest = await WeightPublisher(rt.require_nats(), rt.names).latest()
         assert manifest is not None
         vdir = await sub.fetch(manifest)
-        raw_status = await rt.require_nats().kv_get(rt.names.bucket("control"), Names.LEARNER_VERSION_KEY)
+        raw_status = await rt.require_nats().kv_get(rt.kv_bucket, Names.LEARNER_VERSION_KEY)
 
     assert seen_versions == sorted(set(seen_versions)) and seen_versions[-1] == 1
     assert (manifest.version, manifest.step) == (1, 2)
@@ -308,3 +309,35 @@ async def test_a_drain_checkpoints_only_completed_steps_and_the_next_life_reads_
     assert first[0].trained == ("a0", "a1", "a2", "a3")
     assert [(r.step, r.trained) for r in second] == [(2, ("a4", "a5", "a6", "a7"))]
     assert again.learner.offsets == {(rt.names.experience, 0): 8}
+
+
+async def test_the_learner_and_weight_watchers_use_the_configured_buckets(
+        kafka_bootstrap, nats_url, unique_name, tmp_path, model_dir):
+    """``nats.kv_bucket`` / ``nats.weights_bucket`` reach every writer and reader (the learner once hard-coded
+    "control", so the scheduler, watching the configured bucket, never saw a version and admission stalled)."""
+    cfg = make_cfg(kafka_bootstrap, nats_url, unique_name, tmp_path, max_staleness=4, publish_every=1, max_steps=1)
+    cfg = cfg.model_copy(update={"nats": cfg.nats.model_copy(update={"kv_bucket": "ctl-custom",
+                                                                     "weights_bucket": "w-custom"})})
+    async with Runtime(cfg) as rt:
+        nats = rt.require_nats()
+        for i in range(4):
+            exp = experience(f"s{i}", [0] * 4)
+            await rt.producer.send(rt.names.experience, exp, key=exp.task_id, partition=0)
+        actor = LearnerActor(rt, model_dir)
+        with anyio.fail_after(120):
+            await actor.run()  # returns at max_steps
+        status = await nats.kv_get(rt.names.bucket("ctl-custom"), Names.LEARNER_VERSION_KEY)
+        assert status is not None and json.loads(status)["version"] == 1
+        sub = WeightSubscriber(nats, rt.names, tmp_path / "fetched", timeout_s=30)
+        async with contextlib.aclosing(sub.manifests()) as manifests:
+            with anyio.fail_after(30):
+                manifest = await anext(manifests)
+        vdir = await sub.fetch(manifest)
+        stray_status = await nats.kv_get(rt.names.bucket("control"), Names.LEARNER_VERSION_KEY)
+        stray_manifest = await nats.kv_get(rt.names.bucket("control"), Names.WEIGHTS_KEY)
+
+    assert manifest.version == 1
+    assert (sub.bucket, sub.kv_bucket) == (rt.names.bucket("w-custom"), rt.names.bucket("ctl-custom"))
+    assert (vdir / "model.safetensors").is_file()
+    assert stray_status is None and stray_manifest is None
+

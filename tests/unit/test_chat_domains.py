@@ -51,7 +51,7 @@ async def test_the_first_number_is_the_answer() -> None:
 async def test_docqa_takes_the_first_candidate_named() -> None:
     rng = random.Random(3)
     prompt, spec = DOMAINS["docqa"].generate(rng, 0.0)
-    assert spec["answer"] in spec["choices"] and f"Passage: " in prompt
+    assert spec["answer"] in spec["choices"] and "Passage: " in prompt
     other = next(c for c in spec["choices"] if c != spec["answer"])
     assert (await verify_answer(f'The answer is "{spec["answer"].title()}".', spec))["correct"]
     assert not (await verify_answer(f"{other}, or maybe {spec['answer']}", spec))["correct"]

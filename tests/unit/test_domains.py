@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from actors.domains import DOMAINS, Domain, GeneratedTask, answer_format, code_format, is_heldout, register_domain, \
-    reward_fn, score, terminal_format
+    reward_fn, score, terminal_format, unregister_domain
 from engine.config import RewardConfig
 from engine.schemas import Completion
-from sandboxes.verifiers import verify_answer
+from sandboxes.verifiers import VERIFIERS, verify_answer
 
 DIFFICULTIES = (0.0, 0.5, 1.0)
 
@@ -142,10 +142,23 @@ def test_register_domain() -> None:
         register_domain(domain)
         assert DOMAINS["echo_test"] is domain
         assert reward_fn("echo_test", {"correct": True}, "ab") == 1.0
+        assert (domain.verifier_name, domain.verify) == ("answer", VERIFIERS["answer"])
         with pytest.raises(ValueError):
             register_domain(domain)
         register_domain(domain, replace=True)
     finally:
-        DOMAINS.pop("echo_test", None)
-        from actors.domains import REWARD_FNS
-        REWARD_FNS.pop("echo_test", None)
+        assert unregister_domain("echo_test") is domain
+    with pytest.raises(KeyError, match="echo_test"):
+        reward_fn("echo_test", {"correct": True}, "ab")
+    assert reward_fn("echo_test", {"correct": True}, "ab", verifier="answer") == 1.0  # the verifier's reward
+
+
+def test_register_domain_checks_the_verifier() -> None:
+    def make(rng: random.Random, difficulty: float) -> GeneratedTask:
+        return GeneratedTask(prompt="x", spec={}, ideal="x\n")
+
+    with pytest.raises(ValueError, match="'no-such'"):
+        register_domain(Domain("bad_verifier", "no-such", make, lambda f, t: 0.0, lambda t: 0.0))
+    with pytest.raises(TypeError, match="verifier"):
+        register_domain(Domain("bad_verifier", 42, make, lambda f, t: 0.0, lambda t: 0.0))  # type: ignore[arg-type]
+    assert "bad_verifier" not in DOMAINS

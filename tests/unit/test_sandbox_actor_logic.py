@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
+from actors.domains import Domain, register_domain, unregister_domain
 from actors.sandbox import SandboxSettings, _KeyedLocks, clamp_spec, failed_facts, pick_verifier
 from engine.config import SandboxConfig
+from sandboxes.verifiers import VERIFIERS
 
 CFG = SandboxConfig(timeout_s=10, memory_mb=256, pids=64)
 
@@ -33,15 +35,35 @@ def test_too_many_tests_are_cut() -> None:
 
 
 def test_verifier_by_domain_and_override() -> None:
-    assert pick_verifier("arith", {}) == "answer"
-    assert pick_verifier("code", {}) == "code"
-    assert pick_verifier("terminal", {}) == "terminal"
-    assert pick_verifier("code", {"verifier": "answer"}) == "answer"
-    assert pick_verifier("poetry", {}, {"poetry": "answer"}) == "answer"
-    with pytest.raises(ValueError, match="domain"):
+    assert pick_verifier("arith", {}) == ("answer", VERIFIERS["answer"])
+    assert pick_verifier("code", {}) == ("code", VERIFIERS["code"])
+    assert pick_verifier("terminal", {}) == ("terminal", VERIFIERS["terminal"])
+    assert pick_verifier("code", {"verifier": "answer"}) == ("answer", VERIFIERS["answer"])
+    with pytest.raises(ValueError, match="domain 'poetry'"):
         pick_verifier("poetry", {})
     with pytest.raises(ValueError, match="spec.verifier"):
         pick_verifier("arith", {"verifier": "rm -rf /"})
+    with pytest.raises(ValueError, match="spec.verifier"):
+        pick_verifier("arith", {"verifier": ["answer"]})
+
+
+def test_a_registered_domain_brings_its_verifier() -> None:
+    async def rhymes(text: str, spec: dict, pool: object) -> dict:
+        return {"correct": text.endswith(spec["rhyme"])}
+
+    by_name = Domain("poetry-by-name", "answer", lambda rng, d: None, lambda f, t: 0.0, lambda t: 0.0)
+    own = Domain("poetry-own", rhymes, lambda rng, d: None, lambda f, t: 0.0, lambda t: 0.0)
+    try:
+        register_domain(by_name)
+        register_domain(own)
+        assert pick_verifier("poetry-by-name", {}) == ("answer", VERIFIERS["answer"])
+        assert pick_verifier("poetry-own", {}) == ("poetry-own", rhymes)
+        assert pick_verifier("poetry-own", {"verifier": "code"}) == ("code", VERIFIERS["code"])
+    finally:
+        unregister_domain("poetry-by-name")
+        unregister_domain("poetry-own")
+    with pytest.raises(ValueError, match="domain 'poetry-own'"):
+        pick_verifier("poetry-own", {})
 
 
 def test_failed_facts_score_nothing() -> None:

@@ -107,6 +107,10 @@ def _auth_middleware(api_key: str) -> Any:
     return require_key
 
 
+class ModelLoadError(RuntimeError):
+    """The served model could not be loaded: :func:`serve` stops with it (no server waits forever on a 503)."""
+
+
 class _State:
     """The app's engine slot; ``engine`` is ``None`` until the model is loaded."""
 
@@ -114,6 +118,7 @@ class _State:
         self.config = config
         self.engine: LocalEngine | None = None
         self.load_error: str | None = None
+        self.load_failed = asyncio.Event()
         self.model_dir: str = config.model_dir or ""
         self.tmp: tempfile.TemporaryDirectory[str] | None = None
 
@@ -462,6 +467,7 @@ async def _load_engine(state: _State) -> None:
     except Exception as exc:
         log.exception("model load failed")
         state.load_error = f"model load failed: {exc!r}"
+        state.load_failed.set()
         return
     engine = LocalEngine(
         model,
@@ -529,19 +535,24 @@ def build_app(config: ServerConfig) -> web.Application:
 async def serve(config: ServerConfig, *, on_bound: Callable[[str, int], None] | None = None) -> None:
     """Run the server until cancelled; ``on_bound(host, port)`` is called once the socket listens.
 
-    Raises :class:`InsecureBindError` (before binding) for a non-loopback host without an api key.
+    Raises :class:`InsecureBindError` (before binding) for a non-loopback host without an api key, and
+    :class:`ModelLoadError` as soon as the model fails to load, so the process that runs the server exits
+    and whoever waits for it to become healthy learns at once.
     """
     if not config.api_key and not is_loopback(config.host):
         raise InsecureBindError(config.host)
     sock = socket.create_server((config.host, config.port))
     config = replace(config, port=int(sock.getsockname()[1]))
-    runner = web.AppRunner(build_app(config), access_log=None)
+    app = build_app(config)
+    state = app[_STATE]
+    runner = web.AppRunner(app, access_log=None)
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()
         if on_bound is not None:
             on_bound(config.host, config.port)
-        await asyncio.Event().wait()
+        await state.load_failed.wait()
+        raise ModelLoadError(f"{state.load_error} (model directory {state.model_dir or '(a tiny model)'})")
     finally:
         await runner.cleanup()
         sock.close()
