@@ -207,3 +207,11 @@ def test_recorder_turns_counters_into_rates_in_bounded_buffers() -> None:
     assert len(charts["reward"]["arith"]["points"]) == 3 and charts["reward"]["arith"]["latest"] == 0.5
     assert charts["lag"]["reward lag"]["latest"] == 4
     assert charts["sandbox"] == {}
+
+
+def test_learner_step_metrics_have_their_own_chart() -> None:
+    metrics = {"entropy": 1.5, "kl_ref": 0.01, "clip_frac": 0.0, "grad_norm": 0.7, "loss": -0.2}
+    recorder = Recorder(lambda: {"learner": {"role": "learner", "version": 3, "metrics": metrics}}, clock=lambda: 1.0)
+    recorder.sample()
+    charts = {c["id"]: {s["name"]: s["latest"] for s in c["series"]} for c in recorder.data()["charts"]}
+    assert charts["learner"] == {"entropy": 1.5, "KL to reference": 0.01, "clip fraction": 0.0, "grad norm": 0.7}
