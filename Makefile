@@ -4,7 +4,7 @@ ROLLOUT := .venv/bin/rollout
 
 .PHONY: setup demo test down status
 
-# System packages (Java, Maven, bubblewrap, docker.io, iproute2), .venv, Kafka jars.
+# System packages (Java, Maven, bubblewrap, docker.io, iproute2), .venv, Kafka jars, SmolLM2-135M-Instruct.
 setup:
 	ops/bootstrap.sh
 

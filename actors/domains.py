@@ -83,6 +83,8 @@ class Domain:
     format_score: FormatFn
     max_turns: int = 1
     stop: tuple[str, ...] = (STOP,)
+    max_new_tokens: int | None = None
+    """Generation budget of this domain's tasks (per turn); None: the deployment's ``inference.max_new_tokens``."""
 
     def _draw(self, rng: random.Random, difficulty: float, split: str) -> GeneratedTask:
         want_heldout = split == "heldout"
@@ -357,3 +359,126 @@ def reward_fn(domain: str, facts: Facts, completion: Completion | str, cfg: Rewa
               *, verifier: str | None = None) -> float:
     """The scalar reward of one completion (see :func:`score` for the terms)."""
     return score(domain, facts, completion, cfg, verifier=verifier).total
+
+
+# == domains for instruct models ======================================================================
+# Natural-language tasks for a pretrained chat model (SmolLM2-135M-Instruct is the reference): the
+# inference actor renders each prompt with the model's chat template, and generation ends at the
+# model's end-of-turn token (no stop string). Each verifier is strict about the answer format the prompt
+# asks for; the reward counts what the task asked, the format score how exactly it was given.
+
+ANSWER_NUMBER = "Answer with just the number."
+
+
+def make_math(rng: random.Random, difficulty: float) -> GeneratedTask:
+    """``"What is 7 * 8? Answer with just the number."`` -> ``"56"``.
+
+    Difficulty 0 is one-digit operands (1-9) with ``+ - *``: the plain GRPO loop's task
+    (``shared/baselines/grpo_minimal.py``), so the two can be compared on the same distribution. From 0.5 the
+    operands have two digits; from 0.9 a third operand joins.
+    """
+    high = 9 if difficulty < 0.5 else 99
+    ops = [rng.choice("+-*")]
+    terms = [rng.randint(1, high), rng.randint(1, high)]
+    if difficulty >= 0.9:
+        ops.append(rng.choice("+-"))
+        terms.append(rng.randint(1, high))
+    value = _evaluate(terms, ops)
+    expr = str(terms[0]) + "".join(f" {op} {t}" for op, t in zip(ops, terms[1:]))
+    return GeneratedTask(prompt=f"What is {expr}? {ANSWER_NUMBER}", spec={"answer": str(value), "match": "first_number"},
+                         ideal=str(value))
+
+
+def first_number_format(text: str) -> float:
+    """1 when the answer is the bare number and nothing else."""
+    return 1.0 if _INT.fullmatch(text.strip()) else 0.0
+
+
+_PY_TASKS: tuple[tuple[float, str, str, Callable[[int, int], int]], ...] = (
+    (0.0, "returns x plus {k}", "x + {k}", lambda x, k: x + k),
+    (0.0, "returns x minus {k}", "x - {k}", lambda x, k: x - k),
+    (0.0, "returns x times {k}", "x * {k}", lambda x, k: x * k),
+    (0.4, "returns the larger of x and {k}", "max(x, {k})", lambda x, k: max(x, k)),
+    (0.4, "returns x squared plus {k}", "x * x + {k}", lambda x, k: x * x + k),
+    (0.7, "returns the remainder of x divided by {k}", "x % {k}", lambda x, k: x % k),
+)
+
+
+def make_python(rng: random.Random, difficulty: float) -> GeneratedTask:
+    """``"Write a Python function f(x) that returns x plus 3. ..."`` -> a ``def f(x)``; tests run in the sandbox."""
+    _, describe, body, reference = rng.choice([t for t in _PY_TASKS if t[0] <= difficulty])
+    k = rng.randint(2, 29 if difficulty < 0.5 else 99)
+    xs = rng.sample(range(-5, 15), CODE_TEST_INPUTS)
+    tests = [{"name": f"f({x})", "code": f"from solution import f\nassert f({x}) == {reference(x, k)}\n"} for x in xs]
+    prompt = (f"Write a Python function f(x) that {describe.format(k=k)}. "
+              "Answer with only the code, in a ```python block.")
+    return GeneratedTask(prompt=prompt, spec={"tests": tests, "timeout_s": 5},
+                         ideal=f"```python\ndef f(x):\n    return {body.format(k=k)}\n```")
+
+
+def fenced_code_format(text: str) -> float:
+    """1 when the answer is one fenced Python block defining ``f`` (and nothing outside it)."""
+    m = re.fullmatch(r"```(?:python|py)\n(.*?)```", text.strip(), flags=re.S)
+    if m is None or "```" in m.group(1):
+        return 0.0
+    return code_format(m.group(1))
+
+
+def make_shell(rng: random.Random, difficulty: float) -> GeneratedTask:
+    """``"... write the shell command that creates a.txt containing hi ..."``; the command runs in a sandbox."""
+    n_goals = 1 + round(difficulty)
+    taken: set[str] = set()
+    goals, commands, checks, setup = [], [], [], {}
+    for _ in range(n_goals):
+        goal, command, goal_checks, files = rng.choice(_TERMINAL_STEPS)(rng, taken)
+        goals.append(goal)
+        commands.append(command)
+        checks.extend(goal_checks)
+        setup.update(files)
+    listing = ", ".join(sorted(setup)) or "nothing"
+    prompt = (f"You are in a Linux shell in a directory that holds {listing}. "
+              f"Write the shell command{'s' if n_goals > 1 else ''} to {', then '.join(goals)}. "
+              "Answer with only the command, one per line.")
+    spec = {"setup_files": setup, "checks": checks, "max_turns": n_goals}
+    return GeneratedTask(prompt=prompt, spec=spec, ideal="\n".join(commands))
+
+
+def shell_format(text: str) -> float:
+    """Fraction of lines that are a known shell command (no prose, no fences)."""
+    return terminal_format(text)
+
+
+_NAMES = ("Tom", "Ana", "Sam", "Mia", "Leo", "Ivy", "Max", "Zoe")
+_THINGS = ("ball", "kite", "hat", "bike", "cup", "book")
+_COLOURS = ("red", "blue", "green", "yellow", "black", "white")
+_PLACES = ("garden", "kitchen", "school", "park", "library", "beach")
+
+
+def make_docqa(rng: random.Random, difficulty: float) -> GeneratedTask:
+    """A short passage of facts and a question whose one-word answer is in it.
+
+    Correct when the first colour or place the answer names (of those in the passage) is the right one; the
+    format score asks for the single word and nothing else."""
+    people = rng.sample(_NAMES, 2 + round(2 * difficulty))
+    facts, questions = [], []
+    for person in people:
+        thing, colour, place = rng.choice(_THINGS), rng.choice(_COLOURS), rng.choice(_PLACES)
+        facts.append(f"{person} has a {colour} {thing} and goes to the {place} every day.")
+        questions.append((f"What colour is {person}'s {thing}?", colour))
+        questions.append((f"Where does {person} go every day?", place))
+    question, answer = rng.choice(questions)
+    prompt = f"Passage: {' '.join(facts)}\nQuestion: {question} Answer with one word from the passage."
+    choices = sorted({w for fact in facts for w in fact.rstrip(".").split() if w in _COLOURS or w in _PLACES})
+    return GeneratedTask(prompt=prompt, spec={"answer": answer, "match": "first_choice", "choices": choices},
+                         ideal=answer)
+
+
+def one_word_format(text: str) -> float:
+    """1 when the answer is a single word (a final full stop allowed)."""
+    return 1.0 if re.fullmatch(r"[A-Za-z]+\.?", text.strip()) else 0.0
+
+
+register_domain(Domain("math", "answer", make_math, answer_reward, first_number_format, stop=(), max_new_tokens=8))
+register_domain(Domain("python", "code", make_python, code_reward, fenced_code_format, stop=(), max_new_tokens=64))
+register_domain(Domain("shell", "terminal", make_shell, terminal_reward, shell_format, stop=(), max_new_tokens=24))
+register_domain(Domain("docqa", "answer", make_docqa, answer_reward, one_word_format, stop=(), max_new_tokens=8))

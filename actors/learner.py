@@ -42,7 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
 from actors.learner_core import Learner, StepReport, Verdict
-from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
+from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.schemas import Experience
@@ -205,9 +205,12 @@ class LearnerActor(Actor):
 
     async def _publish(self) -> None:
         assert self.learner is not None and self.publisher is not None
-        learner = self.learner
+        learner, tokenizer = self.learner, self.tokenizer
+        assert tokenizer is not None
         with tempfile.TemporaryDirectory(prefix="rollout-weights-") as tmp:
-            await anyio.to_thread.run_sync(lambda: self._save_pretrained(tmp))
+            # the whole HF directory (config, safetensors, tokenizer): what SGLang's /update_weights_from_disk
+            # and a fresh `--model-path` load (streams/weights.py: check_hf_dir)
+            await anyio.to_thread.run_sync(lambda: self._save_pretrained(tmp, tokenizer))
             files: list[str | Path] = sorted(p for p in Path(tmp).iterdir() if p.is_file())
             await self.publisher.publish(learner.version, files, step=learner.step_count)
         self.published_version = learner.version
@@ -217,10 +220,10 @@ class LearnerActor(Actor):
         learner, tokenizer = self.learner, self.tokenizer
         self.last_checkpoint = await anyio.to_thread.run_sync(lambda: self._save_checkpoint(learner, tokenizer))
 
-    def _save_pretrained(self, path: str) -> None:
+    def _save_pretrained(self, path: str, tokenizer: PreTrainedTokenizerBase) -> None:
         assert self.learner is not None
         with self.learner.export_model() as model:  # LoRA adapters merged into the published weights
-            model.save_pretrained(path, safe_serialization=True)
+            save_model_dir(model, tokenizer, path)
 
     def _save_checkpoint(self, learner: Learner, tokenizer: PreTrainedTokenizerBase) -> Path:
         with learner.export_model() as model:

@@ -9,7 +9,10 @@ Everything here is built locally and deterministically (nothing is downloaded):
 - :func:`tiny_config` / :func:`build_tiny_model` make a small Llama-architecture causal LM; the learner
   trains and the inference server serves the same Hugging Face class.
 - :func:`save_model_dir` / :func:`load_model_dir` use the Hugging Face layout: ``config.json``,
-  ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``.
+  ``model.safetensors`` (or sharded, with ``model.safetensors.index.json``), ``tokenizer.json`` and
+  ``tokenizer_config.json``. :func:`load_model_dir` loads any local Llama / Qwen2 / Mistral directory
+  (a real model prepared by actors/model_prepare.py too) with the tokenizer class the directory names,
+  after :func:`actors.model_dir.check_model_dir` has checked it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,16 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from actors.model_dir import check_model_dir
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -105,7 +117,7 @@ def build_tiny_model(config: LlamaConfig, *, seed: int = 0) -> PreTrainedModel:
     return model
 
 
-def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: str | os.PathLike[str]) -> Path:
+def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike[str]) -> Path:
     """Write ``model`` and ``tokenizer`` to ``path`` in Hugging Face layout and return the path."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,13 +128,17 @@ def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, p
 
 def load_model_dir(
     path: str | os.PathLike[str], *, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Load a model directory written by :func:`save_model_dir` (or any local HF causal-LM directory)."""
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a model directory written by :func:`save_model_dir` (or any local HF causal-LM directory).
+
+    Raises :class:`actors.model_dir.ModelDirError` (naming the file) for a directory that cannot load.
+    """
+    check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
     )
     model.eval()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model, tokenizer
 
 
@@ -131,3 +147,46 @@ def write_tiny_model_dir(path: str | os.PathLike[str], *, seed: int = 0, **confi
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tiny_config(len(tokenizer), **config_overrides), seed=seed)  # type: ignore[arg-type]
     return save_model_dir(model, tokenizer, path)
+
+
+# -- prompts -----------------------------------------------------------------------------------------
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer carries a chat template (an instruct model's; the char fixture has none)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, system: str | None = None) -> list[int]:
+    """Token ids of ``prompt`` as the model expects it: the chat template's user turn (after ``system``, when
+    given; else the template's default) and the assistant header, or the raw text for a model without one.
+
+    The text is rendered first and encoded once with ``add_special_tokens=False`` (the template writes its
+    own special tokens), so the ids are exactly those the learner later scores.
+    """
+    if not has_chat_template(tokenizer):
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_observation(tokenizer: PreTrainedTokenizerBase, observation: str, *, ended_turn: bool) -> list[int]:
+    """Token ids that close the model's turn and hand it ``observation`` as the next user turn, ending at the
+    assistant header (multi-turn episodes of a chat model); for a model without a chat template, ``None``.
+
+    ``ended_turn``: the model's last token already ended its turn (it stopped on the end-of-turn token), so
+    only what the template writes after that token follows.
+    """
+    base = [{"role": "system", "content": "s"}]
+    before = tokenizer.apply_chat_template(base + [{"role": "assistant", "content": "\x00"}], tokenize=False)
+    closing = before.split("\x00", 1)[1]  # what the template writes after an assistant message
+    eos = tokenizer.eos_token or ""
+    if ended_turn and eos and closing.startswith(eos):
+        closing = closing[len(eos):]
+    start = tokenizer.apply_chat_template(base, tokenize=False)
+    turn = tokenizer.apply_chat_template(base + [{"role": "user", "content": observation}], tokenize=False,
+                                         add_generation_prompt=True)
+    if not turn.startswith(start):
+        raise ValueError("the chat template renders a conversation's prefix differently once a turn is added")
+    return list(tokenizer.encode(closing + turn[len(start):], add_special_tokens=False))

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import anyio
 
 from engine.actor import Actor
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_files
 from engine.schemas import Message
 from engine.topics import TOPIC_SUFFIXES, Names
 from streams.kafka import Consumer, Producer, Record, StreamError, ensure_topics
@@ -55,6 +55,7 @@ class Runtime:
         return self.cfg.kafka.partitions.get(suffix, self.cfg.kafka.default_partitions)
 
     async def start(self) -> "Runtime":
+        check_files(self.cfg)  # every file the config names, before any connection
         await ensure_topics(self.cfg.kafka, {self.names.topic(s): self.partitions(s) for s in TOPIC_SUFFIXES})
         await self.producer.start()
         if self.nats is not None:

@@ -58,7 +58,8 @@ from streams.kafka import Record, StreamError
 
 log = logging.getLogger("rollout.actors.sandbox")
 
-DOMAIN_VERIFIERS: dict[str, str] = {"arith": "answer", "math": "answer", "code": "code", "terminal": "terminal"}
+DOMAIN_VERIFIERS: dict[str, str] = {"arith": "answer", "math": "answer", "code": "code", "terminal": "terminal",
+                                    "python": "code", "shell": "terminal", "docqa": "answer"}
 """Domain name -> verifier kind (a key of ``sandboxes.verifiers.VERIFIERS``); ``spec["verifier"]`` overrides."""
 
 EPISODE_UNKNOWN = "episode_unknown"
@@ -190,6 +191,10 @@ class SandboxResources:
             raise RuntimeError("SandboxResources is not acquired")
         return self._pool
 
+    def pool_statistics(self) -> dict[str, int] | None:
+        """The shared pool's :class:`~sandboxes.pool.PoolStatistics` as a dict; None while no pool runs."""
+        return dataclasses.asdict(self._pool.statistics()) if self._pool is not None else None
+
     @property
     def max_episodes(self) -> int:
         return max(1, int(self.cfg.max_sandboxes * self.settings.episode_share))
@@ -251,6 +256,14 @@ class _SandboxActorBase(StreamActor):
             if self._holding:
                 self._holding = False
                 await self.resources.release()
+
+    def statistics(self) -> dict[str, Any]:
+        """The stream actor's counters and ``pool``: the shared pool's idle / in_use / created / resets /
+        reaped / trimmed (both sandbox actors of a process report the same pool)."""
+        stats = super().statistics()
+        if (pool := self.resources.pool_statistics()) is not None:
+            stats["pool"] = pool
+        return stats
 
 
 # -- episodes ---------------------------------------------------------------------------------------

@@ -189,6 +189,8 @@ class SourcedTask:
     max_turns: int = 1
     difficulty: float = 0.0
     stop: tuple[str, ...] = ()
+    max_new_tokens: int | None = None
+    """The domain's generation budget; None: ``inference.max_new_tokens``."""
 
 
 class TaskSource(Protocol):
@@ -214,7 +216,7 @@ class GeneratorSource:
     def next(self, difficulty: float) -> SourcedTask:
         prompt, spec = self._domain.generate(self._rng, difficulty)
         return SourcedTask(domain=self._domain.name, prompt=prompt, spec=spec, max_turns=self._domain.turns(spec),
-                           difficulty=difficulty, stop=self._domain.stop)
+                           difficulty=difficulty, stop=self._domain.stop, max_new_tokens=self._domain.max_new_tokens)
 
 
 class JsonlSource:
@@ -248,7 +250,7 @@ class JsonlSource:
         domain = DOMAINS.get(row["domain"])
         max_turns = int(row.get("max_turns", domain.turns(row["spec"]) if domain else 1))
         return SourcedTask(domain=row["domain"], prompt=row["prompt"], spec=row["spec"], max_turns=max_turns,
-                           stop=domain.stop if domain else ())
+                           stop=domain.stop if domain else (), max_new_tokens=domain.max_new_tokens if domain else None)
 
 
 # -- the actor -------------------------------------------------------------------------------------
@@ -380,7 +382,7 @@ class SchedulerActor(Actor):
             if sourced is None:
                 self.mixer.remove(name)
                 continue
-            sampling = {"max_new_tokens": self.rt.cfg.inference.max_new_tokens,
+            sampling = {"max_new_tokens": sourced.max_new_tokens or self.rt.cfg.inference.max_new_tokens,
                         "temperature": self.rt.cfg.inference.temperature}
             if sourced.stop:
                 sampling["stop"] = list(sourced.stop)

@@ -6,20 +6,29 @@ override the file: ``ROLLOUT__<SECTION>__<FIELD>`` (double underscores separate 
 environment are parsed as TOML values when they parse (numbers, booleans, arrays), else as strings.
 
 Errors name the file and the field: ``ConfigError: run.toml: learner.batch_size: Input should be
-greater than or equal to 1``.
+greater than or equal to 1``. Files a config names (TLS CA, certificate and key, NATS credentials) are
+checked by :func:`check_files` before anything connects, and their errors name the field and the path:
+``ConfigError: run.toml: kafka.ssl_cafile: /etc/ca.pem: no such file``.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import os
+import ssl
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 ENV_PREFIX = "ROLLOUT__"
 ROLES = ("scheduler", "inference", "sandbox", "reward", "learner")
+INFERENCE_API_KEY_ENV = ENV_PREFIX + "INFERENCE__API_KEY"
+"""The variable of `inference.api_key`, which `rollout inference serve` reads too: one secret, both sides."""
 
 
 class ConfigError(ValueError):
@@ -56,7 +65,11 @@ class KafkaConfig(Section):
     sasl_password: str | None = None
     """SASL password (prefer the environment override over writing it in a file)."""
     ssl_cafile: str | None = None
-    """CA bundle for SSL."""
+    """PEM CA bundle the broker's certificate is verified with (SSL / SASL_SSL); None: the system's CAs."""
+    ssl_certfile: str | None = None
+    """PEM client certificate (chain) for brokers that require mutual TLS; may hold the key too."""
+    ssl_keyfile: str | None = None
+    """PEM private key (unencrypted) of `ssl_certfile`, when not in that file."""
 
 
 class NatsConfig(Section):
@@ -98,10 +111,21 @@ class SchedulerConfig(Section):
 class InferenceConfig(Section):
     backend: Literal["local", "sglang"] = "local"
     """`local`: the embedded torch server of this project; `sglang`: an external SGLang server or router."""
-    urls: list[str] = Field(default_factory=list)
+    urls: list[str] = Field(default_factory=list, validate_default=True)
     """SGLang server or router URLs (backend=sglang), or a running local server; empty: start one embedded."""
-    model_dir: str | None = None
-    """HF model directory served by the local backend; None: a tiny model built from a config."""
+    model_dir: str | None = Field(None, validate_default=True)
+    """The Hugging Face model directory this deployment serves and trains: the local backend loads it,
+    the learner starts from it, the inference actor reads its tokenizer. With backend `sglang` it is
+    required and must be the model the SGLang servers were started with (their `--model-path`, as this
+    host sees it). None (local backend only): a tiny model built from a config."""
+    api_key: SecretStr | None = None
+    """Key of the inference servers (SGLang's `--api-key`; `rollout inference serve --api-key-file`): the
+    client sends `Authorization: Bearer <key>` on every request, and the embedded local server requires
+    it. Never logged. Set it in the environment (ROLLOUT__INFERENCE__API_KEY) or use `api_key_file`
+    rather than writing it here."""
+    api_key_file: str | None = None
+    """A file holding the api key (surrounding whitespace ignored), e.g. a mounted Secret; not both
+    this and `api_key`. Read when the inference role starts."""
     max_new_tokens: int = Field(64, ge=1)
     """Default generation length when the task does not say."""
     temperature: float = Field(1.0, ge=0)
@@ -120,6 +144,43 @@ class InferenceConfig(Section):
     """Tokens per ``rollout.tokens`` record: new tokens are sent once this many have come (the rest when
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and
     broker CPU) per sample at the cost of a consumer seeing tokens a few decode steps later."""
+
+    @field_validator("urls")
+    @classmethod
+    def _sglang_names_its_servers(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if not value and info.data.get("backend") == "sglang":
+            raise ValueError("backend 'sglang' needs the URLs of its SGLang servers or router")
+        return value
+
+    @field_validator("model_dir")
+    @classmethod
+    def _sglang_names_its_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("backend") == "sglang":
+            raise ValueError("backend 'sglang' needs the model directory its servers serve (the directory "
+                             "they were started with, `--model-path`): the learner starts from it and the "
+                             "inference actor tokenizes with it; set inference.model_dir")
+        return value
+
+    @model_validator(mode="after")
+    def _one_api_key_source(self) -> "InferenceConfig":
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("api_key and api_key_file are both set; give one")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        """The api key from `api_key` or `api_key_file`, or None; raises ConfigError if the file cannot
+        be read or is empty."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value() or None
+        if self.api_key_file is None:
+            return None
+        try:
+            key = Path(self.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"inference.api_key_file: cannot read {self.api_key_file}: {exc.strerror}") from None
+        if not key:
+            raise ConfigError(f"inference.api_key_file: {self.api_key_file} is empty")
+        return key
 
 
 class SandboxConfig(Section):
@@ -262,6 +323,120 @@ class EngineConfig(Section):
         return self
 
 
+# -- files a config names ------------------------------------------------------------------------------
+
+_MAX_FILE_BYTES = 4 * 1024 * 1024
+"""Certificates, keys and .creds files are a few KiB; a CA bundle a few hundred."""
+
+
+def _read(field: str, path: str) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise ValueError("no such file")
+    if not p.is_file():
+        raise ValueError("not a regular file")
+    try:
+        with p.open("rb") as f:
+            data = f.read(_MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot be read: {exc.strerror or exc}") from None
+    if len(data) > _MAX_FILE_BYTES:
+        raise ValueError(f"larger than {_MAX_FILE_BYTES // (1024 * 1024)} MiB: not a {field} file")
+    return data.decode("utf-8", errors="replace")
+
+
+def _pem_certificates(path: str, text: str) -> None:
+    if "-----BEGIN CERTIFICATE-----" not in text:
+        raise ValueError("holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except ssl.SSLError as exc:
+        raise ValueError(f"not a valid PEM certificate file: {exc.reason or exc}") from None
+
+
+def _no_password() -> bytes:
+    raise ValueError("the private key is encrypted: give an unencrypted key")
+
+
+def _client_certificate(cfg: "KafkaConfig") -> None:
+    """``ssl_certfile`` (with ``ssl_keyfile`` or a key inside it) loads as a certificate and its key."""
+    assert cfg.ssl_certfile is not None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile,
+                                                                password=_no_password)
+    except ssl.SSLError as exc:
+        reason = exc.reason or str(exc)
+        if cfg.ssl_keyfile is None:
+            raise ValueError(f"holds no private key for its certificate and kafka.ssl_keyfile is not set "
+                             f"({reason})") from None
+        if "KEY_VALUES_MISMATCH" in reason.upper():
+            raise ValueError(f"does not match the certificate in kafka.ssl_certfile={cfg.ssl_certfile}") from None
+        raise ValueError(f"cannot be loaded as the key of kafka.ssl_certfile={cfg.ssl_certfile}: {reason}") from None
+
+
+def _nats_creds(text: str) -> None:
+    """A .creds file: a user JWT block and a user nkey seed block (what nats-py reads: it loops forever on
+    a file without the JWT marker, so this must hold before it gets the path)."""
+    lines = [line.strip() for line in text.splitlines()]
+
+    def after(marker: str) -> str:
+        for i, line in enumerate(lines):
+            if marker in line and i + 1 < len(lines):
+                return lines[i + 1]
+        raise ValueError(f"not a NATS .creds file: no -----{marker}----- block")
+
+    jwt = after("BEGIN NATS USER JWT")
+    parts = jwt.split(".")
+    try:
+        header, claims = (json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))) for part in parts[:2])
+    except (binascii.Error, ValueError):
+        header = claims = None
+    if len(parts) != 3 or not isinstance(header, dict) or not isinstance(claims, dict):
+        raise ValueError("not a NATS .creds file: the line after -----BEGIN NATS USER JWT----- is not a JWT")
+    kind = (claims.get("nats") or {}).get("type") if isinstance(claims.get("nats"), dict) else None
+    if kind not in (None, "user"):
+        raise ValueError(f"holds a JWT of type {kind!r}, not a user's")
+    if not after("BEGIN USER NKEY SEED").startswith("SU"):
+        raise ValueError("not a NATS .creds file: the user nkey seed (SU...) is missing after -----BEGIN USER NKEY SEED-----")
+
+
+def check_files(cfg: "EngineConfig | KafkaConfig | NatsConfig", source: str | None = None) -> None:
+    """Check every file ``cfg`` names (exists, is readable, parses as what it should be) before anything
+    connects. Raises ConfigError naming the source, the field and the path."""
+    checks: list[tuple[str, str, Any]] = []  # (field, path, check(path, text))
+    sections = [("kafka", cfg.kafka), ("nats", cfg.nats)] if isinstance(cfg, EngineConfig) else \
+               [("kafka" if isinstance(cfg, KafkaConfig) else "nats", cfg)]
+    for name, section in sections:
+        if isinstance(section, KafkaConfig):
+            if section.ssl_keyfile and not section.ssl_certfile:
+                raise ConfigError(f"{source + ': ' if source else ''}kafka.ssl_keyfile: set without kafka.ssl_certfile")
+            for field in ("ssl_cafile", "ssl_certfile"):
+                if path := getattr(section, field):
+                    checks.append((f"{name}.{field}", path, _pem_certificates))
+            if section.ssl_keyfile:
+                checks.append((f"{name}.ssl_keyfile", section.ssl_keyfile, lambda _p, text: _private_key(text)))
+            if section.ssl_certfile:  # the pair: reported against the key when there is one
+                pair = ("ssl_keyfile", section.ssl_keyfile) if section.ssl_keyfile else ("ssl_certfile", section.ssl_certfile)
+                checks.append((f"{name}.{pair[0]}", pair[1], lambda _p, _t, kafka=section: _client_certificate(kafka)))
+        elif isinstance(section, NatsConfig) and section.credentials:
+            checks.append((f"{name}.credentials", section.credentials, lambda _p, text: _nats_creds(text)))
+    for field, path, check in checks:
+        try:
+            check(path, _read(field, path))
+        except ValueError as exc:
+            raise ConfigError(f"{source + ': ' if source else ''}{field}: {path}: {exc}") from None
+
+
+def _private_key(text: str) -> None:
+    if "PRIVATE KEY-----" not in text:
+        raise ValueError("holds no PEM private key (-----BEGIN ... PRIVATE KEY-----)")
+
+
+# Secrets stay the exact string the variable holds: a random key may happen to parse as a TOML number
+# (`123e4567`), which would change it.
+_RAW_ENV_FIELDS = frozenset({"password", "sasl_password", "token", "control_token", "api_key"})
+
+
 def _parse_env_value(raw: str) -> Any:
     try:
         return tomllib.loads(f"v = {raw}")["v"]
@@ -284,7 +459,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"environment: {key} conflicts with another override")
-        node[path[-1]] = _parse_env_value(raw)
+        node[path[-1]] = raw if path[-1] in _RAW_ENV_FIELDS else _parse_env_value(raw)
     return out
 
 
@@ -302,13 +477,16 @@ def _format_error(source: str, exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"{source}: {loc}: {err['msg']}")
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+        lines.append(f"{source}: {loc}: {msg}")
     return "\n".join(lines)
 
 
 def load_config(path: str | Path | None = None, *, environ: dict[str, str] | None = None,
-                overrides: dict[str, Any] | None = None) -> EngineConfig:
-    """Load a TOML file (or defaults), apply environment overrides, validate.
+                overrides: dict[str, Any] | None = None, files: bool = False) -> EngineConfig:
+    """Load a TOML file (or defaults), apply environment overrides, validate; with ``files``, also
+    check the files it names (:func:`check_files`: what a process that connects wants, not a tool that
+    only reads a deployment's config elsewhere).
 
     Raises ConfigError naming the file and the field.
     """
@@ -328,6 +506,9 @@ def load_config(path: str | Path | None = None, *, environ: dict[str, str] | Non
         source += " (+ROLLOUT__* environment)"
     data = _merge(_merge(data, env), overrides or {})
     try:
-        return EngineConfig.model_validate(data)
+        cfg = EngineConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_error(source, exc)) from None
+    if files:
+        check_files(cfg, source)
+    return cfg

@@ -9,7 +9,12 @@
 
     python loadtests/inference.py [--quick] [--json PATH]
 
-Headline keys: tokens_per_s_c1, tokens_per_s_c8, tokens_per_s_c32, concurrency_speedup_c32,
+3. With ``--model-dir DIR`` (a real model, e.g. SmolLM2-135M-Instruct): 32 chat requests of 16-64 new
+   tokens through the engine against ``transformers`` ``generate`` on one left-padded batch of the same
+   requests, same model, same process: ``hf_generate_ratio`` (generate's seconds over the engine's, for the
+   same useful tokens).
+
+Headline keys: hf_generate_ratio, tokens_per_s_c1, tokens_per_s_c8, tokens_per_s_c32, concurrency_speedup_c32,
 prefill_peak_mb_chunked_<n>, prefill_peak_mb_full_<n> (null when the full pass exceeded the limit).
 """
 
@@ -72,28 +77,107 @@ def _prefill_child(mode: str, length: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_GB << 30, MEMORY_LIMIT_GB << 30))
     import torch
 
-    from actors.inference.local.runner import ForwardItem, ModelRunner
+    from actors.inference.local.runner import SlotRunner
     from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tiny_config(len(tok), max_position_embeddings=65536), seed=0)
-    runner = ModelRunner(model)
+    runner = SlotRunner(model, max_slots=1, initial_capacity=length)
     ids = torch.randint(4, len(tok), (length,), generator=torch.Generator().manual_seed(0)).tolist()
-    runner.forward([ForwardItem(None, ids[:CHUNK])])  # warm-up at the chunk size
+    slot = runner.acquire()
+    runner.prefill(slot, 0, ids[:CHUNK])  # warm-up at the chunk size (the cache is allocated here)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     try:
         if mode == "chunked":
-            cache = None
             for i in range(0, length, CHUNK):
-                _, [cache] = runner.forward([ForwardItem(cache, ids[i : i + CHUNK])])
+                runner.prefill(slot, i, ids[i : i + CHUNK], logits=i + CHUNK >= length)
         else:
-            runner.forward([ForwardItem(None, ids)])
+            runner.prefill(slot, 0, ids)
     except (RuntimeError, MemoryError) as exc:
         print(json.dumps({"peak_mb": None, "seconds": time.perf_counter() - start, "error": str(exc)[:200]}))
         return
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"peak_mb": (after - before) / 1024, "seconds": time.perf_counter() - start}))
+
+
+REAL_QUESTIONS = (
+    "What is 7 + 5?", "Name three colours.", "Write a haiku about the sea.", "What is the capital of France?",
+    "Explain what a list is in Python.", "Give me a synonym of happy.", "How many legs does a spider have?",
+    "Translate 'good morning' to French.",
+)
+
+
+def _real_requests(tok, n: int) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
+    """``n`` chat-templated prompts with 16..64 new tokens each (deterministic)."""
+    from actors.llm import render_prompt
+
+    out = []
+    for i in range(n):
+        question = f"{REAL_QUESTIONS[i % len(REAL_QUESTIONS)]} (request {i})"
+        out.append((render_prompt(tok, question), 16 + (48 * i) // max(1, n - 1)))
+    return out
+
+
+async def _engine_real(model, tok, requests: list[tuple[list[int], int]]) -> float:  # type: ignore[no-untyped-def]
+    from actors.inference.local.engine import LocalEngine
+    from actors.inference.local.protocol import SamplingParams
+
+    engine = LocalEngine(model, tok, max_batch=len(requests), chunk_size=CHUNK)
+    await engine.start()
+    try:
+        warm = engine.submit(requests[0][0], SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))
+        while not warm.finished:
+            await warm.wait_changed()
+        start = time.perf_counter()
+        seqs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, sampling_seed=i))
+                for i, (p, n) in enumerate(requests)]
+        for seq in seqs:
+            while not seq.finished:
+                await seq.wait_changed()
+        return time.perf_counter() - start
+    finally:
+        await engine.aclose()
+
+
+def _hf_generate_real(model, tok, requests: list[tuple[list[int], int]]) -> float:  # type: ignore[no-untyped-def]
+    """What a user writes with transformers alone: one left-padded batch, ``generate`` to the longest request."""
+    import torch
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(len(p) for p, _ in requests)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in requests])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in requests])
+    longest = max(n for _, n in requests)
+    model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=True, pad_token_id=pad)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                       do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad)
+    return time.perf_counter() - start
+
+
+def real_model(model_dir: Path, n: int, threads: int) -> dict[str, float]:
+    """The local engine against ``transformers`` ``generate`` on the same model and requests (same process)."""
+    import torch
+
+    from actors.llm import load_model_dir
+
+    torch.set_num_threads(threads)
+    model, tok = load_model_dir(model_dir)
+    requests = _real_requests(tok, n)
+    useful = sum(k for _, k in requests)
+    engine_s = asyncio.run(_engine_real(model, tok, requests))
+    hf_s = _hf_generate_real(model, tok, requests)
+    figures = {"real_requests": n, "real_useful_tokens": useful, "real_engine_s": round(engine_s, 2),
+               "real_hf_generate_s": round(hf_s, 2), "real_engine_tokens_per_s": round(useful / engine_s, 1),
+               "real_hf_generate_tokens_per_s": round(useful / hf_s, 1),
+               "hf_generate_ratio": round(hf_s / engine_s, 2)}
+    print(f"{'real model':<22} {'seconds':>8} {'tokens/s':>9}   ({n} chat requests, {useful} new tokens, 16..64 each)")
+    print(f"{'local engine':<22} {engine_s:>8.1f} {useful / engine_s:>9.1f}")
+    print(f"{'transformers generate':<22} {hf_s:>8.1f} {useful / hf_s:>9.1f}")
+    print(f"hf_generate_ratio: {figures['hf_generate_ratio']}x\n")
+    return figures
 
 
 def _prefill(mode: str, length: int) -> dict[str, float | None]:
@@ -113,6 +197,9 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: for a tiny model, more threads only add sync overhead)"
     )
+    parser.add_argument("--model-dir", type=Path, help="also measure this real model against transformers generate")
+    parser.add_argument("--real-requests", type=int, default=32, help="chat requests of the real-model run (default 32)")
+    parser.add_argument("--real-threads", type=int, default=2, help="torch threads of the real-model run (default 2)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.prefill_child:
@@ -147,6 +234,8 @@ def main() -> int:
             return f"{'fail':>{width}}" if v is None else f"{v:>{width}.1f}"
 
         print(f"{n:>8} {fmt(chunked['peak_mb'], 11)} {fmt(chunked['seconds'], 10)} {fmt(full['peak_mb'], 9)} {fmt(full['seconds'], 8)}")
+    if args.model_dir:
+        figures.update(real_model(args.model_dir, 8 if args.quick else args.real_requests, args.real_threads))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
     return 0

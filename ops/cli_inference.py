@@ -2,6 +2,11 @@
 
 Once the socket listens, one JSON line goes to stdout: ``{"event": "listening", "host": ..., "port": ...,
 "url": ...}`` (so ``--port 0`` is usable: read the line, then poll ``/health_generate`` until 200).
+
+The api key (SGLang's ``--api-key``) comes from ``--api-key-file``, ``--api-key`` or the environment
+variable ``ROLLOUT__INFERENCE__API_KEY`` (the one ``inference.api_key`` reads, so one secret serves the
+server and its clients); without one the server listens on loopback only. Prefer the file or the
+variable: a command line is visible to every user of the host.
 """
 
 from __future__ import annotations
@@ -10,8 +15,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
+
+from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +41,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--torch-threads", type=int, default=0, help="torch intra-op threads; 0 keeps torch's default (default: 0)"
     )
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV}; "
+                            "needed to listen beyond loopback)")
+    serve.add_argument("--api-key-file", default=None, help="read the api key from this file (whitespace stripped)")
     serve.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                        help="leave the loaded heap in the garbage collector's reach (default: frozen once loaded)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -39,10 +52,26 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from actors.inference.local.server import ServerConfig, serve
+    from actors.inference.local.server import InsecureBindError, ServerConfig, is_loopback, serve
 
     if args.max_batch < 1 or args.chunk_size < 1:
         print("rollout inference serve: --max-batch and --chunk-size must be at least 1", file=sys.stderr)
+        return 2
+    if args.model_dir is not None:
+        from actors.model_dir import ModelDirError, check_model_dir
+
+        try:  # before torch loads anything: a bad directory is named with the file and what is wrong
+            check_model_dir(args.model_dir)
+        except ModelDirError as exc:
+            print(f"rollout inference serve: --model-dir: {exc}", file=sys.stderr)
+            return 2
+    try:
+        api_key = _api_key(args)
+    except ValueError as exc:
+        print(f"rollout inference serve: {exc}", file=sys.stderr)
+        return 2
+    if not api_key and not is_loopback(args.host):  # before the model loads: fail fast
+        print(f"rollout inference serve: {InsecureBindError(args.host)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.torch_threads > 0:
@@ -58,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         weight_version=args.weight_version,
         gc_freeze=args.gc_freeze,
+        api_key=api_key,
     )
 
     def announce(host: str, port: int) -> None:
@@ -76,3 +106,18 @@ def _serve(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, --api-key or the environment (in that order); empty means none."""
+    if args.api_key_file is not None and args.api_key is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -15,6 +15,7 @@ import sys
 
 import anyio
 
+from actors.model_dir import check_config_model_dir
 from engine.config import ROLES, ConfigError, EngineConfig, load_config
 
 log = logging.getLogger("rollout.run")
@@ -35,7 +36,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, files=True)
+        check_config_model_dir(cfg, args.config)
     except ConfigError as exc:
         print(f"rollout run: {exc}", file=sys.stderr)
         return 2

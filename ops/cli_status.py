@@ -279,7 +279,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from engine.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, files=True)
     except ConfigError as exc:
         print(f"rollout status: {exc}", file=sys.stderr)
         return 2

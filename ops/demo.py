@@ -74,6 +74,93 @@ def default_config(namespace: str, bootstrap: str, nats_url: str, run_dir: Path,
     })
 
 
+@dataclasses.dataclass
+class RealPlan:
+    """The real-model demo: a pretrained instruct model, no warm start, RL for a wall-clock budget."""
+
+    model: str = "smollm2-135m"
+    model_dir: str | None = None
+    """An HF model directory to train instead of the prepared ``model``."""
+    seed: int = 0
+    seconds: float = 600.0
+    """Wall-clock budget of the RL run (the pipeline's start counts)."""
+    steps: int | None = None
+    """Stop after this many learner steps instead, if sooner."""
+    train: dict[str, float] = dataclasses.field(default_factory=lambda: {"math": 1.0})
+    """Domains trained on, with their sampling weights."""
+    heldout: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"math": 48, "docqa": 32, "python": 12, "shell": 12})
+    """Held-out tasks per domain: every domain is evaluated, trained on or not (none may get worse)."""
+    eval_samples: int = 4
+    eval_temperature: float = 1.0
+
+
+def real_config(namespace: str, bootstrap: str, nats_url: str, run_dir: Path, plan: RealPlan) -> EngineConfig:
+    """The engine's learning setup for a ~100M-parameter instruct model on a 2-core machine.
+
+    Geometry as the plain GRPO loop it is compared with (``loadtests/learning.py``): groups of 8, 64 samples
+    a step, lr 5e-6, temperature 1. What the engine adds: zero-variance groups are dropped before they cost a
+    learner step, generation overlaps training (one core each), and a group's prompt is computed once.
+    """
+    return EngineConfig.model_validate({
+        "namespace": namespace,
+        "kafka": {"bootstrap": bootstrap, "default_partitions": 2},
+        "nats": {"url": nats_url},
+        "scheduler": {"domains": plan.train, "group_size": 8, "max_staleness": 1, "seed": plan.seed,
+                      "curriculum": False, "rebalance": False},
+        "inference": {"max_new_tokens": 8, "temperature": 1.0, "concurrency": 64, "max_batch": 64,
+                      "stream_interval": 8},
+        "sandbox": {"pool_size": 4, "max_sandboxes": 16, "timeout_s": 5.0},
+        "reward": {"group_timeout_s": 120.0, "drop_zero_variance": True, "normalize": "group_std"},
+        "learner": {"batch_size": 64, "lr": 5e-6, "objective": "decoupled_ppo", "publish_every": 1,
+                    "checkpoint_every": 1000, "checkpoint_dir": str(run_dir / "checkpoints"),
+                    "max_steps": plan.steps, "seed": plan.seed, "torch_threads": 1},
+        "supervision": {"drain_timeout_s": 60.0},
+    })
+
+
+async def run_real_demo(run_dir: Path, plan: RealPlan, bootstrap: str, nats_url: str, config_path: str | None) -> int:
+    from actors.model_prepare import prepare_model
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    namespace = f"demo-{int(time.time())}"
+    t0 = time.monotonic()
+    model_dir = Path(plan.model_dir) if plan.model_dir else await anyio.to_thread.run_sync(
+        lambda: prepare_model(plan.model, log=lambda *_: None))
+    cfg = real_config(namespace, bootstrap, nats_url, run_dir, plan)
+    if config_path:
+        cfg = load_config(config_path, overrides={"namespace": namespace})
+    cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"model_dir": str(model_dir)})})
+    print(f"model {model_dir}", flush=True)
+    print(f"1/3 held-out evaluation before RL ({', '.join(f'{d} {n}' for d, n in plan.heldout.items())} tasks, "
+          f"{plan.eval_samples} samples each at T={plan.eval_temperature})", flush=True)
+    before = await evaluate_dir(model_dir, run_dir, plan, "before", greedy=False)
+    print("    " + ", ".join(f"{d}: {s.accuracy:.3f}" for d, s in sorted(before.sampled.items())), flush=True)
+    print(f"2/3 RL through the pipeline on {', '.join(plan.train)} for {plan.seconds:.0f}s "
+          f"({time.monotonic() - t0:.0f}s)", flush=True)
+    curves = RewardCurves()
+    rl_started = time.monotonic()
+    final_dir = await rl_run(cfg, run_dir, plan, curves)
+    rl_seconds = time.monotonic() - rl_started
+    print(f"3/3 held-out evaluation after RL ({time.monotonic() - t0:.0f}s)", flush=True)
+    after = await evaluate_dir(final_dir, run_dir, plan, "after", greedy=False)
+    table = curves.table()
+    print_tables(table, before, after)
+    plot(table, before.sampled, after.sampled, run_dir / "curves.png")
+    results = {
+        "namespace": namespace, "model_dir": str(model_dir), "seconds": round(time.monotonic() - t0, 1),
+        "rl_seconds": round(rl_seconds, 1), "plan": dataclasses.asdict(plan),
+        "heldout_before": {d: dataclasses.asdict(s) for d, s in before.sampled.items()},
+        "heldout_after": {d: dataclasses.asdict(s) for d, s in after.sampled.items()},
+        "change": {d: round(after.sampled[d].accuracy - before.sampled[d].accuracy, 3) for d in before.sampled},
+        "reward_per_version": {d: {str(v): r for v, r in s.items()} for d, s in table.items()},
+        "final_model": str(final_dir),
+    }
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {run_dir / 'results.json'} and {run_dir / 'curves.png'} ({results['seconds']:.0f}s in all)")
+    return 0
+
+
 def demonstrations(n: int, seed: int) -> list[tuple[str, str]]:
     """(prompt, completion) pairs from every domain, multi-turn ones in the inference actor's format."""
     rng = random.Random(f"sft:{seed}")
@@ -113,12 +200,16 @@ class Heldout:
     greedy: dict[str, DomainScore]
 
 
-async def evaluate_dir(model_dir: Path, run_dir: Path, plan: DemoPlan, label: str) -> Heldout:
-    async with LocalServer(model_dir, log_path=run_dir / "logs" / f"eval-{label}.log") as url:
+async def evaluate_dir(model_dir: Path, run_dir: Path, plan: "DemoPlan | RealPlan", label: str, *,
+                       greedy: bool = True) -> Heldout:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    async with LocalServer(model_dir, log_path=run_dir / "logs" / f"eval-{label}.log", torch_threads=0) as url:
         sampled = await evaluate(url, plan.heldout, seed=plan.seed, samples=plan.eval_samples,
-                                 temperature=plan.eval_temperature)
-        greedy = await evaluate(url, plan.heldout, seed=plan.seed)
-    return Heldout(sampled, greedy)
+                                 temperature=plan.eval_temperature, tokenizer=tokenizer)
+        greedy_scores = await evaluate(url, plan.heldout, seed=plan.seed, tokenizer=tokenizer) if greedy else {}
+    return Heldout(sampled, greedy_scores)
 
 
 class RewardCurves:
@@ -141,24 +232,29 @@ class RewardCurves:
             out[domain][version] = self.sums[(domain, version)] / n
         return dict(out)
 
+    def domains(self) -> set[str]:
+        return {d for d, _ in self.counts}
+
     def recent(self, domain: str, last: int = 3) -> float | None:
         rows = sorted((v, self.sums[(d, v)], n) for (d, v), n in self.counts.items() if d == domain)[-last:]
         n = sum(r[2] for r in rows)
         return sum(r[1] for r in rows) / n if n else None
 
 
-async def rl_run(cfg: EngineConfig, run_dir: Path, plan: DemoPlan, curves: RewardCurves) -> Path:
-    """The pipeline until the learner has made ``plan.steps`` steps; returns the final weights' dir."""
+async def rl_run(cfg: EngineConfig, run_dir: Path, plan: "DemoPlan | RealPlan", curves: RewardCurves) -> Path:
+    """The pipeline until the learner has made ``plan.steps`` steps (or ``plan.seconds`` passed); returns the
+    final weights' dir."""
     from ops.deployment import Deployment
 
     started = time.monotonic()
+    budget = getattr(plan, "seconds", None)
+    progress = Progress(sys.stdout)
     async with Deployment(cfg, run_dir=run_dir) as deployment:
         print(f"pipeline up: namespace {cfg.namespace}, dashboard {deployment.http.url}/dashboard", flush=True)
         watch = Consumer(cfg.kafka, topics=[deployment.rt.names.experience], group=f"{cfg.namespace}.demo",
                          expect=("experience",))
         async with watch, anyio.create_task_group() as tg:
             tg.start_soon(deployment.run)
-            shown = ""
             while True:
                 for r in await watch.getmany(timeout_s=0.5):
                     curves.add(r.message)  # type: ignore[arg-type]
@@ -166,20 +262,51 @@ async def rl_run(cfg: EngineConfig, run_dir: Path, plan: DemoPlan, curves: Rewar
                 learner = deployment.supervisor.actors.get("learner")
                 stats = learner.statistics() if learner is not None else {}
                 step = int(stats.get("step", 0))
-                parts = " ".join(f"{d}={v:.2f}" for d in sorted(DOMAINS)
-                                 if (v := curves.recent(d)) is not None)
-                line = (f"step {step:3d}/{plan.steps} trained {stats.get('trained', 0):5d} "
-                        f"stale {stats.get('dropped_stale', 0):4d} filtered {stats.get('filtered', 0):5d} "
-                        f"| recent reward {parts}")
-                if line != shown:
-                    print(f"\r[{time.monotonic() - started:5.0f}s] {line}   ", end="", flush=True)
-                    shown = line
-                if deployment.supervisor.finished("learner") or step >= plan.steps:
+                elapsed = time.monotonic() - started
+                parts = " ".join(f"{d}={v:.2f}" for d in sorted(curves.domains()) if (v := curves.recent(d)) is not None)
+                goal = f"{elapsed:4.0f}/{budget:.0f}s" if budget else f"step {step}/{plan.steps}"
+                fraction = elapsed / budget if budget else step / max(1, plan.steps or 1)
+                progress.update(fraction, f"{goal} step {step:3d} trained {stats.get('trained', 0):5d} "
+                                f"filtered {stats.get('filtered', 0):5d} stale {stats.get('dropped_stale', 0):4d} "
+                                f"| recent reward {parts}")
+                if deployment.supervisor.finished("learner") or (plan.steps and step >= plan.steps):
                     break
-            print(flush=True)
+                if budget and elapsed >= budget and step >= 1:
+                    break
+            progress.close()
             deployment.drain()
         assert deployment.rt.nats is not None
         return await fetch_final_weights(deployment.rt.nats, deployment.rt.names, run_dir, deployment.model_dir)
+
+
+class Progress:
+    """One progress line: redrawn in place on a terminal, a plain line every ``every_s`` seconds in a log."""
+
+    def __init__(self, out: Any, every_s: float = 30.0, width: int = 24) -> None:
+        self.out, self.every_s, self.width = out, every_s, width
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self._last_text, self._last_print, self._printed = "", float("-inf"), ""
+
+    def update(self, fraction: float, text: str) -> None:
+        fraction = min(1.0, max(0.0, fraction))
+        filled = int(round(self.width * fraction))
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {text}"
+        if self.tty:
+            if line != self._last_text:
+                self.out.write(f"\r{line}\x1b[K")
+                self.out.flush()
+        elif time.monotonic() - self._last_print >= self.every_s:
+            self.out.write(line + "\n")
+            self.out.flush()
+            self._last_print, self._printed = time.monotonic(), line
+        self._last_text = line
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+        elif self._last_text and self._last_text != self._printed:
+            self.out.write(self._last_text + "\n")
+        self.out.flush()
 
 
 async def fetch_final_weights(nats: Nats, names: Any, run_dir: Path, model_dir: Path | None) -> Path:
@@ -241,6 +368,8 @@ def print_tables(curves: dict[str, dict[int, float]], before: Heldout, after: He
             (f"sampled: mean of {next(iter(before.sampled.values())).samples} per task at the RL temperature",
              before.sampled, after.sampled),
             ("greedy", before.greedy, after.greedy)):
+        if not b_scores:
+            continue
         print(f"\nheld-out accuracy ({title}; fixed seed)")
         print(f"{'domain':<10}{'tasks':>6}{'before':>9}{'after':>9}{'change':>9}")
         for d in sorted(b_scores):
@@ -311,7 +440,19 @@ def main_sync(args: Any) -> int:
 
     signal.signal(signal.SIGTERM, _interrupt)
     _quiet_libraries()
-    plan = DemoPlan(seed=args.seed, steps=args.steps)
+    if getattr(args, "model", "tiny") != "tiny":
+        real = RealPlan(model=args.model, seed=args.seed, seconds=args.seconds, steps=args.steps)
+        if getattr(args, "model_dir", None):
+            real = dataclasses.replace(real, model_dir=args.model_dir)
+        if args.quick:
+            real = dataclasses.replace(real, seconds=60, heldout={"math": 16, "docqa": 8, "python": 4, "shell": 4},
+                                       eval_samples=2)
+        try:
+            return anyio.run(run_real_demo, Path(args.run_dir), real, args.bootstrap, args.nats, args.config)
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+    plan = DemoPlan(seed=args.seed, steps=args.steps or 60)
     if args.quick:
         plan = dataclasses.replace(plan, sft_examples=600, sft_steps=60, steps=3,
                                    heldout={"arith": 16, "code": 8, "terminal": 8})

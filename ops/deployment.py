@@ -106,8 +106,10 @@ class Deployment:
             if not urls:
                 if self.cfg.inference.backend != "local":
                     raise ValueError("inference.backend = 'sglang' needs inference.urls (the SGLang servers or router)")
+                # the embedded server requires the configured key, which the actor's client sends
                 urls = [await enter(LocalServer(self.model_dir, log_path=self.run_dir / "logs" / "inference-server.log",
-                                                max_batch=self.cfg.inference.max_batch))]
+                                                max_batch=self.cfg.inference.max_batch,
+                                                api_key=self.cfg.inference.resolved_api_key()))]
             self.inference_urls = urls
             tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
             add("inference", lambda: InferenceActor(rt, urls, tokenizer,

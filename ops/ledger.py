@@ -143,8 +143,10 @@ def read_topic(cfg: EngineConfig, topic: str, *, timeout_s: float = 60.0) -> Ite
     from kafka import KafkaConsumer, TopicPartition
 
     from streams.codec import DecodeError, decode
+    from engine.config import check_files
     from streams.kafka import client_security
 
+    check_files(cfg.kafka)
     consumer = KafkaConsumer(bootstrap_servers=cfg.kafka.bootstrap, group_id=None, enable_auto_commit=False,
                              client_id="rollout-ledger", auto_offset_reset="earliest",
                              fetch_max_bytes=max(52428800, cfg.kafka.max_record_bytes * 2),

@@ -41,13 +41,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from sandboxes import _aio
+from sandboxes import _aio, _init_client
 from sandboxes.base import (
     SANDBOX_ENV,
     VERIFY_DIR,
     WORKDIR,
     ExecResult,
-    OutputCap,
     Sandbox,
     SandboxError,
     normalize_path,
@@ -61,8 +60,7 @@ UID_BASE = 200_000
 UID_COUNT = 50_000
 INNER_UID = 65534
 PREFIX = "sbx-"
-KILL_GRACE_S = 2.0
-"""How long to wait for pipes to close after a kill before giving up on the output."""
+KILL_GRACE_S = _init_client.KILL_GRACE_S
 START_TIMEOUT_S = 10.0
 """How long a new sandbox may take until its init answers."""
 INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
@@ -436,57 +434,14 @@ class BwrapSandbox(Sandbox):
         assert init is not None
         request = self._request(cmd, env, cwd, stdin is not None)
         oom_before = self.cgroups.oom_kills()
-        out_cap, err_cap = OutputCap(self.limits.output_bytes), OutputCap(self.limits.output_bytes)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        in_r, in_w = os.pipe() if stdin is not None else (-1, -1)
-        ours = [out_r, err_r]
-        tasks: list[asyncio.Future[object]] = []
-        finished = False
-        try:
-            try:
-                socket.send_fds(init.control, [request], [fd for fd in (in_r, out_w, err_w) if fd >= 0])
-            finally:
-                for fd in (in_r, out_w, err_w):
-                    if fd >= 0:
-                        os.close(fd)
-            for fd in (out_r, err_r, in_w):
-                if fd >= 0:
-                    os.set_blocking(fd, False)
-            reply = asyncio.ensure_future(self._reply(init, self._seq))
-            tasks = [asyncio.ensure_future(_aio.drain(out_r, out_cap)), asyncio.ensure_future(_aio.drain(err_r, err_cap)),
-                     reply]
-            if stdin is not None:
-                tasks.append(asyncio.ensure_future(_aio.write_all(in_w, stdin)))  # closes in_w
-                in_w = -1
-            remaining = timeout - (time.perf_counter() - start)
-            _, pending = await asyncio.wait(tasks, timeout=max(remaining, 0.0))
-            timed_out = bool(pending)
-            if timed_out:
-                await self._kill_cgroup(keep=init.pids)
-                _, pending = await asyncio.wait(pending, timeout=KILL_GRACE_S)
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-            exit_code = reply.result() if reply.done() and not reply.cancelled() else None
-            for task in tasks:
-                if task is not reply and task.done() and not task.cancelled():
-                    task.result()
-            finished = True
-        finally:
-            if not finished:
-                for task in tasks:
-                    task.cancel()
-                # We may be cancelled again at any await here, so kill without awaiting: SIGKILLed
-                # processes leave the cgroup within a millisecond or two.
-                self._kill_cgroup_now(keep=init.pids)
-                if tasks:
-                    await asyncio.gather(*tasks, return_exceptions=True)
-            for fd in ours + ([in_w] if in_w >= 0 else []):
-                os.close(fd)
-        if exit_code is None:  # the init died (OOM-killed) or hung: the next exec starts a new one
+        # We may be cancelled again at any await of the cleanup, so that kill does not await:
+        # SIGKILLed processes leave the cgroup within a millisecond or two.
+        reply, out_cap, err_cap, timed_out = await _init_client.run(
+            init.control, self._seq, request, stdin, timeout - (time.perf_counter() - start), self.limits.output_bytes,
+            kill=lambda: self._kill_cgroup(keep=init.pids), kill_now=lambda: self._kill_cgroup_now(keep=init.pids))
+        if reply is None:  # the init died (OOM-killed) or hung: the next exec starts a new one
             await self._stop_init()
-            exit_code = 137
+        exit_code = int(reply["exit_code"]) if reply is not None else 137
         oom_killed = self.cgroups.oom_kills() > oom_before
         return ExecResult(
             exit_code=exit_code,
@@ -497,19 +452,6 @@ class BwrapSandbox(Sandbox):
             duration_s=time.perf_counter() - start,
             truncated=out_cap.truncated or err_cap.truncated,
         )
-
-    @staticmethod
-    async def _reply(init: _Init, seq: int) -> int | None:
-        """The exit code the init reports for request ``seq``; None if the init is gone."""
-        loop = asyncio.get_running_loop()
-        while True:
-            data = await loop.sock_recv(init.control, 4096)
-            if not data:
-                return None
-            message = json.loads(data)
-            if message.get("seq") == seq:
-                return int(message["exit_code"])
-            # a reply to an exec that was cancelled mid-flight: not ours
 
     def _kill_cgroup_now(self, keep: frozenset[int] = frozenset(), deadline_s: float = 1.0) -> None:
         """:meth:`_kill_cgroup` without yielding to the event loop (for cleanup while cancelled)."""

@@ -1,28 +1,67 @@
-"""The docker backend: a running container per sandbox (``sleep`` as pid 1), commands via the exec API.
+"""The docker backend: a running container per sandbox whose pid 1 is the sandbox init, as in bwrap.
 
 Containers: ``network_mode=none``, read-only root, tmpfs /work, /tmp and /verify, memory/pids/cpu
-limits, all capabilities dropped, no-new-privileges; commands run as uid 65534. The docker SDK is
-synchronous, so every call runs in a worker thread. Reset replaces the container.
+limits, every capability dropped but the three the init needs (SETUID and SETGID to start commands as
+uid 65534, KILL to end them; a command loses all three when it drops to 65534, and with
+no-new-privileges and no setuid file in the image it cannot get them back), no-new-privileges, the
+engine's default seccomp profile and, stacked on it inside every command, the bwrap backend's filter
+(``sandboxes/seccomp.py``: ptrace, namespaces, mounts, keyrings, ... refused).
+
+The init (``sandboxes/sandbox_init.py``) connects at start to a SOCK_SEQPACKET socket this process
+listens on in a host directory bind-mounted into the container (``/run/rollout-init``, root-only; the
+socket file is removed as soon as the init is connected). Each exec is one message carrying the write
+ends of this process's pipes, exactly as for bwrap: no ``docker exec`` (a runc process, several API
+round trips) on the path of a command. Hence the engine must run on this host.
+
+Reset, on the lease path, needs no round trip either: from the host, everything in the container's
+cgroup but the init is SIGKILLed, and /work, /tmp, /verify, /dev/shm and /dev/mqueue are emptied
+through ``/proc/<init>/root`` by directory descriptors (links are removed, never followed), /work's
+owner and mode restored. System V IPC objects live in the container's IPC namespace, out of the host's
+sight: the init reports after each exec whether any exist, and then the reset is a message to the
+init, which does the same and removes them. The environment of every command is
+:data:`SANDBOX_ENV` plus what the call passes, so nothing of an episode survives a reset. If a reset
+fails or the init died, the container is replaced (the old, slow way). A timeout SIGKILLs, from the
+host, everything in the container's cgroup but the init.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
+import logging
 import os
+import shutil
+import signal
 import socket
 import tarfile
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
-from sandboxes.base import SANDBOX_ENV, VERIFY_DIR, WORKDIR, ExecResult, OutputCap, Sandbox, SandboxError, normalize_path
+from sandboxes import _init_client
+from sandboxes.base import SANDBOX_ENV, VERIFY_DIR, WORKDIR, ExecResult, Sandbox, SandboxError, normalize_path
 from sandboxes.limits import Limits
+from sandboxes.seccomp import SECCOMP_PROGRAM
 
 LABEL = "rollout.sandbox"
 OWNER_LABEL = "rollout.sandbox.owner"
-USER = "65534:65534"
+UID = 65534
+USER = (UID, UID)
+ROOT = (0, 0)
+INIT_DIR = "/run/rollout-init"
+"""Where the host's control directory appears in the container."""
+CONTROL_ROOT = Path(os.environ.get("ROLLOUT_SANDBOX_ROOT", "/run/rollout-sandboxes")) / "docker"
+START_TIMEOUT_S = 30.0
+"""How long a new container's init may take to connect (an engine busy starting many at once is slow)."""
+INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
+WIPE = [[WORKDIR, UID, UID, 0o700], ["/tmp", UID, UID, None], ["/dev/shm", UID, UID, None],
+        ["/dev/mqueue", UID, UID, None], [VERIFY_DIR, 0, 0, None]]
+"""What a reset empties, as whom, and the mode it restores on the directory itself."""
+
+log = logging.getLogger(__name__)
 
 _client_lock = threading.Lock()
 _client: Any = None
@@ -51,6 +90,18 @@ def _owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def _cgroup_dirs(pid: int) -> dict[str, Path]:
+    """controller -> cgroup directory of process ``pid`` (v1 controllers, or "unified" for v2)."""
+    dirs: dict[str, Path] = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else ["unified"]:
+            base = Path("/sys/fs/cgroup") / name if name != "unified" else Path("/sys/fs/cgroup")
+            if (base / path.lstrip("/")).is_dir():
+                dirs[name] = base / path.lstrip("/")
+    return dirs
+
+
 class DockerSandbox(Sandbox):
     """A sandbox in a docker container; create with :meth:`create` (or ``open_sandbox("docker")``)."""
 
@@ -59,7 +110,18 @@ class DockerSandbox(Sandbox):
         self.image = image
         self.id = f"rollout-sbx-{uuid.uuid4().hex[:12]}"
         self.container: Any = None
+        self.control: socket.socket | None = None
+        self.init_pid = 0
+        """The init's pid on the host."""
+        self._cgroups: dict[str, Path] = {}
+        self._root_fd = -1
+        """The container's root directory, opened through the init at start: a recycled pid can never
+        point a reset at another process's files."""
         self._closed = False
+        self._lock = asyncio.Lock()
+        self._seq = 0
+        self._ipc_used = False
+        """An exec left System V IPC objects: the next reset asks the init (we cannot see them)."""
 
     @classmethod
     async def create(cls, limits: Limits | None = None) -> DockerSandbox:
@@ -67,28 +129,76 @@ class DockerSandbox(Sandbox):
 
         image = await asyncio.to_thread(ensure_image, client())
         sandbox = cls(limits or Limits(), image)
-        await asyncio.to_thread(sandbox._start)
+        try:
+            await sandbox._start()
+        except BaseException:
+            await sandbox.close()
+            raise
         return sandbox
 
-    def _start(self) -> None:
+    @property
+    def control_dir(self) -> Path:
+        return CONTROL_ROOT / self.id
+
+    async def _start(self) -> None:
+        """Start a container whose init connects to a socket we listen on; wait for its ``ready``."""
+        self.control_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self.control_dir / "ctl"
+        path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(str(path))
+            listener.listen(1)
+            listener.setblocking(False)
+            await asyncio.to_thread(self._run_container)
+            loop = asyncio.get_running_loop()
+            try:
+                conn, _ = await asyncio.wait_for(loop.sock_accept(listener), START_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logs = await asyncio.to_thread(self._logs)
+                raise SandboxError(f"{self.id}: the container's init did not connect within {START_TIMEOUT_S:.0f} s "
+                                   f"(the Docker engine must run on this host): {logs}") from None
+        finally:
+            listener.close()
+            path.unlink(missing_ok=True)
+        conn.setblocking(False)
+        self.control = conn
+        ready = await asyncio.wait_for(loop.sock_recv(conn, 4096), START_TIMEOUT_S)
+        if not ready:
+            raise SandboxError(f"{self.id}: the container's init failed: {await asyncio.to_thread(self._logs)}")
+        await asyncio.to_thread(self.container.reload)
+        self.init_pid = int(self.container.attrs["State"]["Pid"])
+        self._cgroups = _cgroup_dirs(self.init_pid)
+        self._root_fd = os.open(f"/proc/{self.init_pid}/root", os.O_RDONLY | os.O_DIRECTORY)
+
+    def _logs(self) -> str:
+        try:
+            return self.container.logs(tail=20).decode(errors="replace").strip() if self.container else ""
+        except Exception as exc:  # only for an error message
+            return f"(no logs: {exc})"
+
+    def _run_container(self) -> None:
         lim = self.limits
         self.container = client().containers.run(
             self.image,
-            ["sleep", "2147483647"],
+            ["/usr/bin/python3", "-I", "-S", "-c", INIT_SOURCE, "--connect", f"{INIT_DIR}/ctl",
+             "--seccomp", SECCOMP_PROGRAM.hex()],
             name=f"{self.id}-{uuid.uuid4().hex[:6]}",
             detach=True,
             network_mode="none",
             read_only=True,
             tmpfs={
-                WORKDIR: f"size={lim.workspace_mb}m,uid=65534,gid=65534,mode=0700",
+                WORKDIR: f"size={lim.workspace_mb}m,uid={UID},gid={UID},mode=0700",
                 "/tmp": f"size={lim.workspace_mb}m,mode=1777",
                 VERIFY_DIR: "size=64m,mode=0755",
             },
+            volumes={str(self.control_dir): {"bind": INIT_DIR, "mode": "ro"}},
             mem_limit=f"{lim.memory_mb}m",
             memswap_limit=f"{lim.memory_mb}m",
             pids_limit=lim.pids,
             nano_cpus=int(lim.cpu * 1e9),
             cap_drop=["ALL"],
+            cap_add=["SETUID", "SETGID", "KILL"],
             security_opt=["no-new-privileges"],
             ulimits=[
                 {"Name": "nofile", "Soft": lim.nofile, "Hard": lim.nofile},
@@ -101,47 +211,77 @@ class DockerSandbox(Sandbox):
             init=False,
         )
 
-    def _exec_blocking(
-        self, argv: list[str], stdin: bytes | None, env: dict[str, str], cwd: str, user: str, cap: int, stop: threading.Event
-    ) -> tuple[int | None, OutputCap, OutputCap]:
-        api = client().api
-        exec_id = api.exec_create(
-            self.container.id, argv, stdin=stdin is not None, user=user, workdir=cwd, environment=env
-        )["Id"]
-        sock = api.exec_start(exec_id, socket=True)
-        raw = getattr(sock, "_sock", sock)
-        out, err = OutputCap(cap), OutputCap(cap)
-        try:
-            if stdin is not None:
-                raw.sendall(stdin)
-            raw.shutdown(socket.SHUT_WR)
-            raw.settimeout(0.2)
-            buf = b""
-            while not stop.is_set():
+    # -- exec ------------------------------------------------------------------------------------
+
+    def host_pids(self) -> set[int]:
+        """Host pids of every process of the container, the init included."""
+        for name in ("pids", "memory", "unified"):
+            if name in self._cgroups:
                 try:
-                    chunk = raw.recv(1 << 18)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                buf += chunk
-                # the exec stream is multiplexed: 8-byte header (stream, 0,0,0, big-endian size), payload
-                while len(buf) >= 8:
-                    size = int.from_bytes(buf[4:8], "big")
-                    if len(buf) < 8 + size:
-                        break
-                    (err if buf[0] == 2 else out).feed(buf[8 : 8 + size])
-                    buf = buf[8 + size :]
-        finally:
-            # ``sock`` is a SocketIO holding an io reference on ``raw``: close both, or the socket is
-            # only marked closed and leaks its descriptor until garbage collection.
-            if sock is not raw:
-                sock.close()
-            raw.close()
-        code = api.exec_inspect(exec_id).get("ExitCode")
-        return code, out, err
+                    return {int(x) for x in (self._cgroups[name] / "cgroup.procs").read_text().split()}
+                except FileNotFoundError:
+                    return set()
+        return set()
+
+    @property
+    def init_pids(self) -> frozenset[int]:
+        """The init's host pid: the only process left in the container between execs."""
+        return frozenset((self.init_pid,)) if self.init_pid else frozenset()
+
+    def _pids(self) -> set[int]:
+        """Host pids of the container's processes but the init."""
+        return self.host_pids() - {self.init_pid}
+
+    def _kill_now(self, deadline_s: float = 1.0) -> None:
+        end = time.monotonic() + deadline_s
+        while (pids := self._pids()) and time.monotonic() < end:
+            for pid in pids:
+                _kill_pid(pid)
+            time.sleep(0.0005)
+
+    async def _kill(self, deadline_s: float = 5.0) -> None:
+        """SIGKILL every process of the container but the init until none is left."""
+        end = time.monotonic() + deadline_s
+        while pids := self._pids():
+            for pid in pids:
+                _kill_pid(pid)
+            if time.monotonic() > end:
+                raise SandboxError(f"{self.id}: processes {sorted(pids)} survive SIGKILL")
+            await asyncio.sleep(0.001)
+
+    def _oom_count(self) -> int:
+        """The container's memory cgroup OOM-kill counter."""
+        if "memory" in self._cgroups:
+            path, prefix = self._cgroups["memory"] / "memory.oom_control", "oom_kill "
+        elif "unified" in self._cgroups:
+            path, prefix = self._cgroups["unified"] / "memory.events", "oom_kill "
+        else:
+            return 0
+        try:
+            for line in path.read_text().splitlines():
+                if line.startswith(prefix):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def _request(self, argv: list[str], env: dict[str, str] | None, cwd: str | None, stdin: bool,
+                 user: tuple[int, int]) -> bytes:
+        if not argv:
+            raise ValueError("empty command")
+        lim = self.limits
+        self._seq += 1
+        # no RLIMIT_NPROC: it counts uid 65534's processes across every container of the host; the
+        # container's pids limit bounds each sandbox instead.
+        return json.dumps({
+            "seq": self._seq,
+            "argv": argv,
+            "env": {**SANDBOX_ENV, **(env or {})},
+            "cwd": normalize_path(cwd) if cwd else WORKDIR,
+            "stdin": stdin,
+            "rlimits": {"nofile": lim.nofile, "fsize": lim.fsize_mb << 20, "core": 0},
+            "user": list(user),
+        }).encode()
 
     async def exec(
         self,
@@ -151,42 +291,38 @@ class DockerSandbox(Sandbox):
         env: dict[str, str] | None = None,
         cwd: str | None = None,
     ) -> ExecResult:
-        return await self._exec(cmd, stdin, timeout, env, cwd, USER, self.limits.output_bytes)
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        return await self._exec(argv, stdin, timeout, env, cwd, USER, self.limits.output_bytes)
 
     async def _exec(
         self,
-        cmd: str | list[str],
+        argv: list[str],
         stdin: bytes | None,
         timeout: float | None,
         env: dict[str, str] | None,
         cwd: str | None,
-        user: str,
-        cap: int,
+        user: tuple[int, int],
+        output_bytes: int,
     ) -> ExecResult:
         self._check_open()
         timeout = self.limits.timeout_s if timeout is None else timeout
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        start = time.perf_counter()
-        oom_before = await asyncio.to_thread(self._oom_count)
-        stop = threading.Event()
-        job = asyncio.ensure_future(
-            asyncio.to_thread(
-                self._exec_blocking, argv, stdin, {**SANDBOX_ENV, **(env or {})}, normalize_path(cwd or WORKDIR), user, cap, stop
-            )
-        )
-        timed_out = False
-        try:
-            code, out, err = await asyncio.wait_for(asyncio.shield(job), timeout)
-        except asyncio.TimeoutError:
-            timed_out = True
-            await self._kill_user_processes()
-            stop.set()
-            code, out, err = await job
-        finally:
-            stop.set()
-        oom_killed = (await asyncio.to_thread(self._oom_count)) > oom_before
+        async with self._lock:
+            start = time.perf_counter()
+            if not self._alive():
+                await self._replace()
+            assert self.control is not None
+            request = self._request(argv, env, cwd, stdin is not None, user)
+            oom_before = self._oom_count()
+            reply, out, err, timed_out = await _init_client.run(
+                self.control, self._seq, request, stdin, timeout - (time.perf_counter() - start), output_bytes,
+                kill=self._kill, kill_now=self._kill_now)
+            if reply is None:  # the init died (OOM-killed): the next call starts a new container
+                self._drop_control()
+            exit_code = int(reply["exit_code"]) if reply is not None else 137
+            self._ipc_used = self._ipc_used or reply is None or bool(reply.get("ipc", True))
+            oom_killed = self._oom_count() > oom_before
         return ExecResult(
-            exit_code=137 if timed_out or code is None else code,
+            exit_code=exit_code,
             stdout=out.text(),
             stderr=err.text(),
             timed_out=timed_out,
@@ -195,43 +331,22 @@ class DockerSandbox(Sandbox):
             truncated=out.truncated or err.truncated,
         )
 
-    def _oom_count(self) -> int:
-        """The container's memory cgroup OOM-kill counter (cgroup v1 via the engine's cgroupfs driver)."""
-        path = f"/sys/fs/cgroup/memory/docker/{self.container.id}/memory.oom_control"
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.startswith("oom_kill "):
-                        return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
-
-    async def _kill_user_processes(self) -> None:
-        """SIGKILL every process of the sandbox user (pid 1 runs as root and survives)."""
-        def kill() -> None:
-            api = client().api
-            exec_id = api.exec_create(self.container.id, ["kill", "-9", "-1"], user=USER)["Id"]
-            api.exec_start(exec_id)
-
-        await asyncio.to_thread(kill)
-
     async def write_files(self, files: dict[str, str | bytes]) -> None:
-        await self._put(files, prefix="", owner=65534, mode=0o644)
+        await self._put(files, prefix="", user=USER, mode=0o644)
 
     async def write_protected_files(self, files: dict[str, str | bytes]) -> None:
-        await self._put(files, prefix=VERIFY_DIR + "/", owner=0, mode=0o444)
+        await self._put(files, prefix=VERIFY_DIR + "/", user=ROOT, mode=0o444)
 
-    async def _put(self, files: dict[str, str | bytes], prefix: str, owner: int, mode: int) -> None:
+    async def _put(self, files: dict[str, str | bytes], prefix: str, user: tuple[int, int], mode: int) -> None:
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for path, content in files.items():
                 data = content.encode() if isinstance(content, str) else content
                 info = tarfile.TarInfo(normalize_path(prefix + path.lstrip("/") if prefix else path).lstrip("/"))
-                info.size, info.mode, info.uid, info.gid = len(data), mode, owner, owner
+                info.size, info.mode, info.uid, info.gid = len(data), mode, user[0], user[1]
                 tar.addfile(info, io.BytesIO(data))
-        # put_archive refuses a read-only root even for tmpfs paths, so the tar goes through an exec.
-        user = "0:0" if owner == 0 else USER
+        # Unpacked by busybox tar as the files' owner: as the sandbox user for the workspace, so a link
+        # the code planted gains it nothing; as root only into /verify, where the code cannot write.
         result = await self._exec(["tar", "-x", "-C", "/", "-f", "-"], buf.getvalue(), 60, None, "/", user, 1 << 16)
         if result.exit_code != 0:
             raise SandboxError(f"{self.id}: writing files failed: {result.stderr.strip()}")
@@ -242,35 +357,132 @@ class DockerSandbox(Sandbox):
             raise FileNotFoundError(f"{self.id}: {path}: {result.stderr.strip()}")
         return result.stdout.encode("utf-8", errors="surrogateescape")
 
+    # -- lifecycle -------------------------------------------------------------------------------
+
     def _check_open(self) -> None:
         if self._closed:
             raise SandboxError(f"{self.id} is closed")
 
+    def _alive(self) -> bool:
+        """The init is there: our end of its socket has not seen it close (a reply left over from a
+        cancelled exec may be waiting; that is not an end)."""
+        if self.control is None:
+            return False
+        try:
+            return bool(self.control.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def _drop_control(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
+
+    async def _remove_container(self) -> None:
+        self._drop_control()
+        container, self.container = self.container, None
+        if container is not None:
+            await asyncio.to_thread(container.remove, force=True)
+
+    async def _replace(self) -> None:
+        """The slow reset: a new container."""
+        await self._remove_container()
+        await self._start()
+
     async def reset(self) -> None:
         self._check_open()
-        old = self.container
-        await asyncio.to_thread(self._start)
-        await asyncio.to_thread(old.remove, force=True)
+        async with self._lock:
+            if not self._alive():
+                await self._replace()
+                return
+            try:
+                if self._ipc_used:
+                    await self._reset_by_init()
+                else:
+                    if self.init_pid not in self.host_pids():
+                        raise SandboxError("the init is gone")
+                    await self._kill()
+                    self._wipe()
+                self._ipc_used = False
+            except (OSError, SandboxError, asyncio.TimeoutError) as exc:
+                log.warning("%s: reset in place failed (%s); replacing the container", self.id, exc)
+                await self._replace()
+
+    def _wipe(self) -> None:
+        """Empty what :data:`WIPE` names from the host, below the container's root (opened through
+        /proc/<init>/root at start), by directory descriptors: no link the code planted is followed.
+        Nothing but the init runs. If the container died, its tmpfs mounts are gone and this fails on
+        the read-only directories beneath (the caller then replaces the container)."""
+        for path, uid, gid, mode in WIPE:
+            try:
+                fd = os.open(str(path).lstrip("/"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._root_fd)
+            except FileNotFoundError:
+                continue
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            shutil.rmtree(entry.name, dir_fd=fd)
+                        else:
+                            os.unlink(entry.name, dir_fd=fd)
+                if mode is not None:
+                    os.fchown(fd, uid, gid)
+                    os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+
+    async def _reset_by_init(self) -> None:
+        """The init kills the rest, empties :data:`WIPE` and removes the sandbox user's IPC objects."""
+        assert self.control is not None
+        self._seq += 1
+        request = json.dumps({"seq": self._seq, "op": "reset", "wipe": WIPE, "ipc": UID}).encode()
+        await asyncio.get_running_loop().sock_sendall(self.control, request)
+        answer = await asyncio.wait_for(_init_client.reply(self.control, self._seq), START_TIMEOUT_S)
+        if answer is None:
+            raise SandboxError("the init is gone")
+        if answer.get("exit_code") != 0:
+            raise SandboxError(str(answer.get("error")))
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.container is not None:
-            await asyncio.to_thread(self.container.remove, force=True)
+        try:
+            await self._remove_container()
+        finally:
+            shutil.rmtree(self.control_dir, ignore_errors=True)
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 async def reap_containers() -> int:
-    """Remove sandbox containers whose owning process (on this host) is gone."""
+    """Remove sandbox containers whose owning process (on this host) is gone, and their control dirs."""
     def reap() -> int:
         from sandboxes.bwrap import process_start_time
 
         removed = 0
+        live: set[str] = set()
         for container in client().containers.list(all=True, filters={"label": LABEL}):
             host, _, pid = container.labels.get(OWNER_LABEL, ":").partition(":")
             if host == socket.gethostname() and pid.isdigit() and process_start_time(int(pid)) is None:
                 container.remove(force=True)
                 removed += 1
+            else:
+                live.add(container.name.rsplit("-", 1)[0])
+        if CONTROL_ROOT.is_dir():
+            for entry in CONTROL_ROOT.iterdir():
+                if entry.name not in live and time.time() - entry.stat().st_mtime > START_TIMEOUT_S * 2:
+                    shutil.rmtree(entry, ignore_errors=True)
         return removed
 
     return await asyncio.to_thread(reap)

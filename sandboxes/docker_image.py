@@ -19,7 +19,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-RECIPE_VERSION = "2"
+RECIPE_VERSION = "4"
 REPOSITORY = "rollout-sandbox"
 PYTHON = Path("/usr/bin/python3.11")
 STDLIB = Path("/usr/lib/python3.11")
@@ -74,9 +74,9 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) 
     tar.addfile(info, io.BytesIO(data))
 
 
-def _add_dir(tar: tarfile.TarFile, name: str, mode: int = 0o755) -> None:
+def _add_dir(tar: tarfile.TarFile, name: str, mode: int = 0o755, owner: int = 0) -> None:
     info = tarfile.TarInfo(name)
-    info.type, info.mode = tarfile.DIRTYPE, mode
+    info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, mode, owner, owner
     tar.addfile(info)
 
 
@@ -90,8 +90,11 @@ def write_rootfs(path: Path) -> None:
     """Write the image's root filesystem as a tarball at ``path``."""
     applets = subprocess.run([str(_busybox()), "--list"], capture_output=True, text=True, check=True).stdout.split()
     with tarfile.open(path, "w") as tar:
-        for d in ("bin", "usr", "usr/bin", "usr/lib", "usr/lib64", "etc", "work", "verify", "proc", "dev", "sys", "root"):
+        for d in ("bin", "usr", "usr/bin", "usr/lib", "usr/lib64", "etc", "verify", "proc", "dev", "sys"):
             _add_dir(tar, d)
+        _add_dir(tar, "root", 0o700)
+        # the engine copies the image's directory under a tmpfs mount onto it: /work starts as this
+        _add_dir(tar, "work", 0o700, owner=65534)
         _add_dir(tar, "tmp", 0o1777)
         for inner, host in _inputs():
             tar.add(host, arcname=inner, recursive=False)

@@ -93,8 +93,33 @@ def answers_match(extracted: str, expected: str) -> bool:
     return extracted.strip().strip("$").strip().lower() == expected.strip().strip("$").strip().lower()
 
 
+_FIRST_INT = re.compile(r"-?\d+")
+_FIRST_WORD = re.compile(r"[A-Za-z]+")
+MATCH_RULES = ("last", "first_number", "first_word", "first_choice")
+"""``spec["match"]``: where the answer is read. ``last`` (default): ``\\boxed{}``, an ``Answer:`` line or the last
+number; ``first_number``: the first integer (a prompt that asks for just the number gets no credit for a
+right number after a wrong one); ``first_word``: the first word, case-insensitive; ``first_choice``: the first word
+that is one of ``spec["choices"]`` (an answer that names a wrong candidate before the right one is wrong)."""
+
+
+def extract_answer_by(text: str, rule: str, choices: Any = ()) -> str | None:
+    """The answer in ``text`` under one of :data:`MATCH_RULES`."""
+    if rule == "first_choice":
+        allowed = {str(c).lower() for c in choices or ()}
+        return next((w for w in (m.lower() for m in _FIRST_WORD.findall(text)) if w in allowed), None)
+    if rule == "first_number":
+        m = _FIRST_INT.search(text)
+        return m.group(0) if m else None
+    if rule == "first_word":
+        m = _FIRST_WORD.search(text)
+        return m.group(0).lower() if m else None
+    if rule == "last":
+        return extract_answer(text)
+    raise ValueError(f"spec.match must be one of {MATCH_RULES}, got {rule!r}")
+
+
 async def verify_answer(completion_text: str, spec: dict[str, Any], pool_or_sandbox: SandboxSource = None) -> Facts:
-    extracted = extract_answer(completion_text)
+    extracted = extract_answer_by(completion_text, str(spec.get("match", "last")), spec.get("choices"))
     correct = extracted is not None and answers_match(extracted, str(spec["answer"]))
     return {"extracted": extracted, "correct": correct}
 

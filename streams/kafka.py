@@ -21,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import re
 import socket
 import threading
 import time
@@ -38,9 +39,11 @@ from kafka.net.compat import KafkaNetClient
 from kafka.net.selector import NetworkSelector as _KafkaNetworkSelector
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from engine.config import KafkaConfig
+from engine.config import KafkaConfig, check_files
 from engine.schemas import DeadLetter, Message
 from streams.codec import DecodeError, Envelope, decode, encode
+from streams import kafka_refusals as _kafka_refusals
+from streams.kafka_refusals import is_refusal
 from streams.offsets import OffsetTracker
 
 log = logging.getLogger("rollout.streams.kafka")
@@ -59,20 +62,32 @@ def client_security(cfg: KafkaConfig) -> dict[str, Any]:
     if cfg.security_protocol.startswith("SASL"):
         out.update(sasl_mechanism=cfg.sasl_mechanism or "PLAIN",
                    sasl_plain_username=cfg.sasl_username, sasl_plain_password=cfg.sasl_password)
-    if cfg.ssl_cafile:
-        out["ssl_cafile"] = cfg.ssl_cafile
+    for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):  # kafka-python's names are the config's
+        if value := getattr(cfg, field):
+            out[field] = value
     return out
 
 
 def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
-    """A StreamError naming the broker; a bootstrap that never completes also names the security settings,
-    because kafka-python retries a refused login (wrong password, untrusted certificate) until its timeout."""
+    """A StreamError naming the broker and, for a refusal or a bootstrap that never completed, the security
+    settings in use (never the password). A refusal the broker explained (wrong password, a certificate
+    either side does not accept) comes at once (streams/kafka_refusals.py); a timeout may be either."""
+    settings = (f"kafka.security_protocol={cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, "
+                f"sasl_username={cfg.sasl_username}, ssl_cafile={cfg.ssl_cafile}, ssl_certfile={cfg.ssl_certfile}")
     hint = ""
-    if isinstance(exc, KafkaTimeoutError):
-        hint = (f" (unreachable, or it refused this client's security settings: kafka.security_protocol="
-                f"{cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, sasl_username={cfg.sasl_username}, "
-                f"ssl_cafile={cfg.ssl_cafile})")
-    return StreamError(f"{what} {cfg.bootstrap}: {type(exc).__name__}: {exc}{hint}")
+    if is_refusal(exc):
+        hint = f" (the broker refused this client's security settings: {settings})"
+    elif isinstance(exc, KafkaTimeoutError):
+        hint = f" (unreachable, or it refused this client's security settings: {settings})"
+    return StreamError(f"{what} {cfg.bootstrap}: {_describe(exc)}{hint}")
+
+
+def _describe(exc: KafkaError) -> str:
+    """``Type: message`` without the ``[Error N] Type: Type:`` repetitions kafka-python's errors carry."""
+    name, text = type(exc).__name__, re.sub(r"^\[Error -?\d+\] ", "", str(exc))
+    while text.startswith(f"{name}: "):
+        text = text[len(name) + 2:]
+    return f"{name}: {text}" if text and text != name else name
 
 
 def _close_connecting_sockets_on_abort() -> None:
@@ -123,10 +138,11 @@ _close_connecting_sockets_on_abort()
 def _construct(factory: Callable[..., Any], **kwargs: Any) -> Any:
     """``factory(**kwargs)`` (a kafka-python client class); if the constructor fails (e.g. the broker refused
     the login), close the network client it made: kafka-python leaves it open, two sockets per attempt."""
+    _kafka_refusals.apply()
     made: list[KafkaNetClient] = []
 
     def network_client(**kw: Any) -> KafkaNetClient:
-        made.append(KafkaNetClient(**kw))
+        made.append(_kafka_refusals.network_client(**kw))
         return made[-1]
 
     try:
@@ -192,6 +208,7 @@ def _wait_topics_visible(admin: KafkaAdminClient, topics: dict[str, int], timeou
 
 async def ensure_topics(cfg: KafkaConfig, topics: dict[str, int]) -> None:
     """Create missing topics with their partition counts (and grow existing ones); waits until usable."""
+    check_files(cfg)
     try:
         await anyio.to_thread.run_sync(_ensure_topics_sync, cfg, topics)
     except KafkaError as exc:
@@ -237,6 +254,7 @@ class Producer:
         self.errors = 0
 
     async def start(self) -> "Producer":
+        check_files(self.cfg)
         self._loop = asyncio.get_running_loop()
         self._room.set()
         self._all_acked.set()
@@ -509,6 +527,7 @@ class Consumer:
         self.assigned: set[tuple[str, int]] = set()
 
     async def start(self) -> "Consumer":
+        check_files(self.cfg)
         try:
             self._consumer = await anyio.to_thread.run_sync(self._make)
         except KafkaError as exc:

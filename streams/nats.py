@@ -17,6 +17,7 @@ import collections
 import contextlib
 import datetime
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -35,7 +36,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import (MSG_ROLLUP_SUBJECT, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DEFAULT_CHUNK_SIZE, OBJ_DIGEST_TEMPLATE,
                                   OBJ_DIGEST_TYPE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore)
 
-from engine.config import NatsConfig
+from engine.config import NatsConfig, check_files
 
 
 PUT_WINDOW = 64
@@ -51,6 +52,10 @@ def connect_options(cfg: NatsConfig) -> dict[str, Any]:
                             "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5,
                             "allow_reconnect": True}
     if cfg.credentials:
+        # nats-py imports nkeys only once connecting, where its absence ends in an obscure error
+        if importlib.util.find_spec("nkeys") is None:
+            raise NatsError(f"nats.credentials={cfg.credentials} needs the nkeys package, which is not installed: "
+                            "pip install nkeys")
         opts["user_credentials"] = cfg.credentials
     if cfg.user:
         opts["user"], opts["password"] = cfg.user, cfg.password
@@ -77,15 +82,20 @@ class Nats:
             if not last_error or isinstance(last_error[0], OSError) or not isinstance(exc, OSError):
                 last_error[:] = [exc]
 
+        check_files(self.cfg)  # nats-py reads the credentials only after connecting (and hangs on a bad file)
+        options = connect_options(self.cfg)
         nc = Client()
         try:
             with anyio.fail_after(self.cfg.timeout_s):
                 # The first connect must not retry forever: fail fast with a clear error.
-                await nc.connect(**connect_options(self.cfg), error_cb=_err)
+                await nc.connect(**options, error_cb=_err)
         except BaseException as exc:
-            # a connect given up on leaves nats-py's socket and tasks behind unless closed
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                await nc.close()
+            # A connect given up on leaves nats-py's socket and tasks behind unless closed. One that failed
+            # before nats-py set itself up (e.g. reading credentials) has nothing to close, and nats-py's
+            # close would fail there with "Client.connect must be called first", hiding the real error.
+            if nc._flush_queue is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await nc.close()
             if isinstance(exc, TimeoutError):
                 # nats-py retries a refused login ("Authorization Violation") until the timeout: say why.
                 why = f": last error: {type(last_error[0]).__name__}: {last_error[0]}" if last_error else ""

@@ -3,6 +3,13 @@
 Publish order is the protocol: every object is stored first, then the manifest is put under
 ``Names.WEIGHTS_KEY``; the KV update is the announcement, so a watcher never sees a version whose
 objects are missing. Fetches check each object's sha256 against the manifest.
+
+A version is a whole Hugging Face model directory, not only its tensors: ``config.json``, the
+safetensors (one file, or shards with ``model.safetensors.index.json``) and the tokenizer files
+(``tokenizer_config.json`` with ``tokenizer.json`` or ``tokenizer.model``). The fetched ``v<N>/`` is then
+what SGLang's ``/update_weights_from_disk`` reads (its loader takes every ``*.safetensors`` the index
+names, by the Hugging Face tensor names) and also what ``--model-path`` or the local server can start
+from. :func:`check_hf_dir` refuses a fetched version that is not complete, naming what is missing.
 """
 
 from __future__ import annotations
@@ -24,6 +31,40 @@ from streams.nats import Nats, NatsError
 log = logging.getLogger("rollout.streams.weights")
 
 
+class IncompleteModelDir(ValueError):
+    """A weight version's directory lacks files a Hugging Face loader needs; ``missing`` names them."""
+
+    def __init__(self, path: Path, missing: list[str]) -> None:
+        super().__init__(f"{path}: not a complete Hugging Face model directory: missing {', '.join(missing)}")
+        self.path, self.missing = path, missing
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def check_hf_dir(path: str | Path) -> None:
+    """Raise :class:`IncompleteModelDir` unless ``path`` has a config, every weight file and a tokenizer."""
+    path = Path(path)
+    missing: list[str] = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise IncompleteModelDir(path, [f"a readable {SAFETENSORS_INDEX} (it has no weight_map)"]) from None
+        missing += [f"{shard} (named by {SAFETENSORS_INDEX})" for shard in shards if not (path / shard).is_file()]
+    elif not any(path.glob("*.safetensors")):
+        missing.append("model.safetensors (or shards with " + SAFETENSORS_INDEX + ")")
+    if not (path / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json")
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
+        missing.append("tokenizer.json (or tokenizer.model)")
+    if missing:
+        raise IncompleteModelDir(path, missing)
+
+
 def safetensors_header(path: str | Path) -> dict[str, Any]:
     """The tensor table of a safetensors file (dtype, shape per tensor) without loading it."""
     with open(path, "rb") as f:
@@ -42,7 +83,7 @@ class WeightPublisher:
         self.kv_bucket = names.bucket("control")
 
     async def publish(self, version: int, files: list[str | Path], step: int = 0, keep: int = 3) -> WeightManifest:
-        """Store ``files`` (safetensors) as version ``version``, then announce it."""
+        """Store ``files`` (a model directory's files, flat) as version ``version``, then announce it."""
         objects = []
         tensors: dict[str, Any] = {}
         for path in files:
@@ -94,7 +135,11 @@ class WeightSubscriber:
                 yield m
 
     async def fetch(self, manifest: WeightManifest) -> Path:
-        """Download every object of ``manifest``; returns the version's directory."""
+        """Download every object of ``manifest``; returns the version's directory.
+
+        Raises :class:`IncompleteModelDir` when the version is not a complete model directory (see
+        the module docstring), before anything is asked to load it.
+        """
         vdir = self.dest / f"v{manifest.version}"
         vdir.mkdir(parents=True, exist_ok=True)
         try:
@@ -105,4 +150,5 @@ class WeightSubscriber:
                                              timeout_s=self.timeout_s)
         except TimeoutError:
             raise NatsError(f"fetching weight version {manifest.version} took longer than {self.timeout_s}s") from None
+        check_hf_dir(vdir)
         return vdir

@@ -34,3 +34,18 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, interval
 def wait_until() -> Callable[..., None]:
     """``wait_until(predicate, timeout_s=10, what="...")``: poll a sync condition, fail on timeout."""
     return _wait_until
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """The prepared SmolLM2-135M-Instruct directory (``$ROLLOUT_MODEL_DIR`` or the model cache).
+
+    A machine without it fails the test with the command that prepares it (ops/bootstrap.sh runs it);
+    it is never skipped. Treat the directory as read-only: build variants in tmp_path with symlinks.
+    """
+    from actors.model_prepare import ModelNotPrepared, require_model_dir
+
+    try:
+        return require_model_dir("smollm2-135m")
+    except ModelNotPrepared as exc:
+        pytest.fail(str(exc), pytrace=False)

@@ -31,6 +31,7 @@ import numpy as np
 from opentelemetry.trace import SpanKind
 
 from actors import tracing
+from actors.llm import has_chat_template, render_observation, render_prompt
 from actors.inference.sglang_client import GenerateResult, SGLangClient, SGLangError
 from actors.runtime import INFRA_ERRORS, Released, Runtime, StreamActor
 from engine.schemas import EPISODES_FULL, SANDBOX_ERROR, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
@@ -119,7 +120,7 @@ class InferenceActor(StreamActor):
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
         cfg = self.rt.cfg.inference
-        self.client = SGLangClient(self.urls, timeout=cfg.request_timeout_s)
+        self.client = SGLangClient(self.urls, timeout=cfg.request_timeout_s, api_key=cfg.resolved_api_key())
         self.weight_version = _version_int(await self.client.get_weight_version(), 0)
         self.results = await Consumer(
             self.rt.cfg.kafka, assign=[(self.rt.names.sandbox_results, self.reply_partition)],
@@ -252,7 +253,7 @@ class InferenceActor(StreamActor):
         assert isinstance(task, Task)
         await self._await_weights(task)
         prompt_ids = (task.prompt_ids.tolist() if task.prompt_ids is not None
-                      else self.tokenizer.encode(task.prompt, add_special_tokens=False))
+                      else render_prompt(self.tokenizer, task.prompt))
         completions: list[Completion | None] = [None] * task.group_size
         headers: list[dict[str, str]] = [{} for _ in range(task.group_size)]
         async with anyio.create_task_group() as tg:
@@ -384,7 +385,9 @@ class InferenceActor(StreamActor):
 
         try:
             await self._open_episode(record, req("open"))
-            turn_sampling = dict(sampling, stop=list(sampling.get("stop", [])) + ["\n"])
+            chat = has_chat_template(self.tokenizer)
+            # a chat model's turn ends at its end-of-turn token; the char fixture's at a newline
+            turn_sampling = sampling if chat else dict(sampling, stop=list(sampling.get("stop", [])) + ["\n"])
             per_turn = max(1, int(sampling["max_new_tokens"]))
             finish = "stop"
             for _ in range(task.max_turns):
@@ -400,6 +403,10 @@ class InferenceActor(StreamActor):
                                    "exit_code": result.exit_code})
                 # The model's own newline (if it stopped on one) stays; the observation follows it.
                 obs = format_observation(result.observation)
+                if chat:
+                    ended = bool(sample.ids) and sample.ids[-1] == self.tokenizer.eos_token_id
+                    sample.add_observation(render_observation(self.tokenizer, obs, ended_turn=ended))
+                    continue
                 if not sample.ids or sample.ids[-1] != self.tokenizer.convert_tokens_to_ids("\n"):
                     obs = "\n" + obs
                 sample.add_observation(self.tokenizer.encode(obs, add_special_tokens=False))

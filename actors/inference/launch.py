@@ -2,7 +2,8 @@
 
 The server prints one JSON line ``{"event": "listening", ..., "url": ...}`` once its socket listens;
 readiness is then ``/health_generate`` answering 200. The child is stopped by its pid (SIGTERM,
-then SIGKILL after a grace period), never by name.
+then SIGKILL after a grace period), never by name. An api key reaches the child in its environment
+(``ROLLOUT__INFERENCE__API_KEY``), never on its command line, which every user of the host can read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import anyio
 
 from actors.inference.sglang_client import SGLangClient
+from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
 
 
 PR_SET_PDEATHSIG = 1
@@ -46,8 +48,9 @@ class LocalServer:
 
     def __init__(self, model_dir: str | Path, *, log_path: str | Path, weight_version: str = "0",
                  max_batch: int = 64, chunk_size: int = 512, torch_threads: int = 1,
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0, api_key: str | None = None) -> None:
         self.model_dir = str(model_dir)
+        self.api_key = api_key
         self.log_path = Path(log_path)
         self.weight_version = weight_version
         self.max_batch = max_batch
@@ -63,7 +66,11 @@ class LocalServer:
         argv = [sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", "--model-dir", self.model_dir,
                 "--weight-version", self.weight_version, "--max-batch", str(self.max_batch),
                 "--chunk-size", str(self.chunk_size), "--torch-threads", str(self.torch_threads)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)  # the key is this object's, not whatever the parent's environment holds
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.close()
         assert self.proc.stdout is not None
@@ -73,7 +80,7 @@ class LocalServer:
                 if not line:
                     raise LocalServerError(f"local inference server exited: {self._log_tail()}")
                 self.url = json.loads(line)["url"]
-                async with SGLangClient([self.url], timeout=10, retries=0) as client:
+                async with SGLangClient([self.url], timeout=10, retries=0, api_key=self.api_key) as client:
                     while not await client.health_generate():
                         if self.proc.poll() is not None:
                             raise LocalServerError(f"local inference server exited: {self._log_tail()}")

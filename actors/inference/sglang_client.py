@@ -12,6 +12,9 @@ Retries, bounded, with exponential backoff and jitter:
   or the answer was 429 (queue full) or 503 (not ready). A streaming generation never retries after its
   first chunk.
 
+Authentication: with ``api_key`` (SGLang's ``--api-key``) every request carries
+``Authorization: Bearer <key>``; the key is never logged nor put in an error message.
+
 Errors carry data: :class:`SGLangHTTPError` (the server answered an error object),
 :class:`SGLangProtocolError` (the answer is not SGLang's protocol: HTML, wrong JSON shape),
 :class:`SGLangConnectionError` (unreachable after the retries), :class:`SGLangWeightUpdateError`
@@ -242,6 +245,7 @@ class SGLangClient:
         backoff_s: float = 0.25,
         max_backoff_s: float = 5.0,
         session: aiohttp.ClientSession | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
@@ -254,6 +258,8 @@ class SGLangClient:
         self._session = session
         self._own_session = session is None
         self._rr = itertools.count()
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._no_weight_version_endpoint: set[str] = set()  # servers that answered /get_weight_version 404
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -272,6 +278,10 @@ class SGLangClient:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
             self._own_session = True
         return self._session
+
+    def _headers(self, key: str | None) -> dict[str, str]:
+        """Headers of one call: the bearer key when configured, the routing key when given."""
+        return {**self._auth, ROUTING_HEADER: key} if key is not None else dict(self._auth)
 
     def server_for(self, key: str | None) -> str:
         """The url a call with routing ``key`` goes to (round-robin without a key)."""
@@ -297,7 +307,7 @@ class SGLangClient:
         expect: str = "json",
     ) -> tuple[int, Any]:
         """One call with bounded retries; returns ``(status, parsed body)`` for 2xx answers."""
-        headers = {ROUTING_HEADER: key} if key is not None else {}
+        headers = self._headers(key)
         attempts = self.retries + 1
         last: BaseException | None = None
         for attempt in range(attempts):
@@ -417,7 +427,7 @@ class SGLangClient:
         key = key if key is not None else rid
         url = self.server_for(key)
         body = self._generate_body(input_ids, text, sampling_params, rid, return_logprob, True, extra)
-        headers = {ROUTING_HEADER: key} if key is not None else {}
+        headers = self._headers(key)
         attempts = self.retries + 1
         for attempt in range(attempts):
             try:
@@ -585,11 +595,30 @@ class SGLangClient:
         return obj
 
     async def get_weight_version(self, url: str | None = None) -> str:
+        """The weight version ``url`` serves.
+
+        ``GET /get_weight_version`` where the server has it; upstream SGLang v0.5.15 answers it 404 (slime
+        patches it back), so on a 404 the version is read from ``/model_info`` (or ``/get_model_info``),
+        whose ``weight_version`` field every SGLang since the endpoint's removal fills; the server is then
+        remembered and asked ``/model_info`` directly from then on.
+        """
         url = url or self.urls[0]
-        status, obj = await self._request("GET", url, "/get_weight_version")
-        if not isinstance(obj, dict) or "weight_version" not in obj:
-            raise SGLangProtocolError(url, status, _excerpt(obj))
-        return str(obj["weight_version"])
+        if url not in self._no_weight_version_endpoint:
+            try:
+                status, obj = await self._request("GET", url, "/get_weight_version")
+            except SGLangError as exc:
+                if getattr(exc, "status", None) != 404:
+                    raise
+                self._no_weight_version_endpoint.add(url)
+            else:
+                if not isinstance(obj, dict) or "weight_version" not in obj:
+                    raise SGLangProtocolError(url, status, _excerpt(obj))
+                return str(obj["weight_version"])
+        info = await self.model_info(url)
+        if info.get("weight_version") is None:
+            raise SGLangProtocolError(url, 200, "neither /get_weight_version nor a weight_version in /model_info: "
+                                      + _excerpt(info))
+        return str(info["weight_version"])
 
     async def server_info(self, url: str | None = None) -> dict[str, Any]:
         url = url or self.urls[0]
@@ -602,7 +631,7 @@ class SGLangClient:
         """``True`` when ``/health_generate`` answers 200, ``False`` on 503 or an unreachable server."""
         url = url or self.urls[0]
         try:
-            async with self._http().get(url + "/health_generate") as resp:
+            async with self._http().get(url + "/health_generate", headers=self._auth) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):

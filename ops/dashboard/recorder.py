@@ -7,13 +7,17 @@ rates between successive samples; a counter that goes down (the actor restarted)
 
 Which statistic feeds which chart (:func:`gauges`, :func:`counters`):
 
-- ``reward``: each domain's mean reward (reward actors' ``domains``; count-weighted over instances);
+- ``reward``: each domain's mean reward over a moving window (``reward_window_s``, 60 s: the rewards
+  that arrived in it, from the reward actors' running ``domains`` count and mean, count-weighted over
+  instances; since the start while the run is younger), and ``eval <domain>``, the held-out accuracy an
+  eval role reports (an actor whose statistics carry ``eval``: domain -> ``{"accuracy", ...}``);
 - ``throughput``: tasks admitted, samples generated, records handled per role, experiences
   emitted and samples trained, per second;
 - ``tokens``: tokens generated per second (its own chart: thousands beside tens would flatten the rest);
 - ``staleness``: versions between the learner and the oldest inference weights, and samples
   dropped as stale per second;
-- ``sandbox``: open episodes (each holds a sandbox), the pool's sandboxes in use when reported, and
+- ``sandbox``: open episodes (each holds a sandbox), the pool's sandboxes in use (the sandbox actors'
+  ``pool`` statistics; the actors of a process share one pool, so the largest report counts), and
   records in flight in the sandbox actors;
 - ``lag``: consumer lag (uncommitted records) and records in flight per actor;
 - ``learner``: the last optimizer step's policy entropy, KL to the reference (k3), clip fraction
@@ -44,7 +48,7 @@ class Chart:
 
 
 CHARTS = (
-    Chart("reward", "Reward per domain", "mean reward"),
+    Chart("reward", "Reward per domain", "mean reward, moving window; eval accuracy"),
     Chart("throughput", "Throughput", "per second"),
     Chart("tokens", "Generation", "tokens per second"),
     Chart("staleness", "Staleness", "versions / stale samples per s"),
@@ -67,21 +71,36 @@ def _num(value: Any) -> float | None:
     return float(value)
 
 
-def gauges(stats: dict[str, dict[str, Any]]) -> list[Point]:
-    """Instantaneous values of one sample of every actor's statistics."""
-    points: list[Point] = []
-    reward: dict[str, tuple[float, float]] = {}  # domain -> (sum of mean x count, count)
-    learner_versions: list[float] = []
-    weight_versions: list[float] = []
-    for name, s in sorted(stats.items()):
-        role = str(s.get("role", name))
+def reward_totals(stats: dict[str, dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """domain -> (sum of rewards, count) since the reward actors started, over every instance."""
+    reward: dict[str, tuple[float, float]] = {}
+    for s in stats.values():
         domains = s.get("domains")
         if isinstance(domains, dict):
             for domain, d in domains.items():
-                mean, count = _num(d.get("mean")) if isinstance(d, dict) else None, _num(d.get("count")) or 0.0
+                if not isinstance(d, dict):
+                    continue
+                mean, count = _num(d.get("mean")), _num(d.get("count")) or 0.0
                 if mean is not None and count > 0:
                     total, n = reward.get(domain, (0.0, 0.0))
                     reward[domain] = (total + mean * count, n + count)
+    return reward
+
+
+def gauges(stats: dict[str, dict[str, Any]]) -> list[Point]:
+    """Instantaneous values of one sample of every actor's statistics (reward: the mean since start;
+    the :class:`Recorder` plots a moving window instead)."""
+    points: list[Point] = []
+    learner_versions: list[float] = []
+    weight_versions: list[float] = []
+    pool_in_use: list[float] = []
+    for name, s in sorted(stats.items()):
+        role = str(s.get("role", name))
+        evals = s.get("eval")
+        if isinstance(evals, dict):
+            for domain, d in evals.items():
+                if isinstance(d, dict) and (v := _num(d.get("accuracy"))) is not None:
+                    points.append(("reward", f"eval {domain}", v))
         if role == "learner" and (v := _num(s.get("version"))) is not None:
             learner_versions.append(v)
         if role == "learner" and isinstance(metrics := s.get("metrics"), dict):
@@ -97,15 +116,17 @@ def gauges(stats: dict[str, dict[str, Any]]) -> list[Point]:
                 points.append(("sandbox", "episodes", v))
             pool = s.get("pool")
             if isinstance(pool, dict) and (v := _num(pool.get("in_use"))) is not None:
-                points.append(("sandbox", "pool in use", v))
+                pool_in_use.append(v)
             if (v := _num(s.get("in_flight"))) is not None:
                 points.append(("sandbox", f"{name} in flight", v))
         if (v := _num(s.get("lag"))) is not None:
             points.append(("lag", f"{name} lag", v))
         if (v := _num(s.get("in_flight"))) is not None:
             points.append(("lag", f"{name} in flight", v))
-    for domain, (total, n) in sorted(reward.items()):
+    for domain, (total, n) in sorted(reward_totals(stats).items()):
         points.append(("reward", domain, total / n))
+    if pool_in_use:
+        points.append(("sandbox", "pool in use", max(pool_in_use)))
     if learner_versions and weight_versions:
         points.append(("staleness", "version gap", max(learner_versions) - min(weight_versions)))
     return _summed(points)
@@ -162,13 +183,16 @@ class Recorder:
     """Samples ``source`` every ``interval_s`` into ring buffers; ``await recorder.run()``."""
 
     def __init__(self, source: StatsSource, *, interval_s: float = 1.0, capacity: int = 600,
-                 clock: Callable[[], float] = time.time) -> None:
-        if interval_s <= 0 or capacity < 2:
-            raise ValueError("interval_s must be positive and capacity at least 2")
+                 reward_window_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
+        if interval_s <= 0 or capacity < 2 or reward_window_s <= 0:
+            raise ValueError("interval_s and reward_window_s must be positive and capacity at least 2")
         self.source = source
         self.interval_s = interval_s
         self.capacity = capacity
+        self.reward_window_s = reward_window_s
         self.clock = clock
+        # domain -> (t, reward sum, count) at past samples, oldest first, back to one older than the window
+        self._reward_history: dict[str, deque[tuple[float, float, float]]] = {}
         self.series: dict[str, dict[str, deque[tuple[float, float]]]] = {c.id: {} for c in CHARTS}
         self.samples = 0
         self._counters: dict[tuple[str, str], tuple[float, float]] = {}  # (chart, series) -> (t, value)
@@ -184,12 +208,31 @@ class Recorder:
             buf = self.series[chart][series] = deque(maxlen=self.capacity)
         buf.append((t, value))
 
+    def _windowed_reward(self, domain: str, t: float, total: float, count: float) -> float | None:
+        """The mean of the rewards of ``domain`` that arrived in the last ``reward_window_s``."""
+        history = self._reward_history.setdefault(domain, deque())
+        if history and count < history[-1][2]:  # the reward actor restarted: its totals start again
+            history.clear()
+        history.append((t, total, count))
+        cutoff = t - self.reward_window_s
+        while len(history) > 1 and history[1][0] <= cutoff:
+            history.popleft()
+        # the newest sample at or before the window's start; none yet: everything since the start
+        _, base_total, base_count = history[0] if history[0][0] <= cutoff else (t, 0.0, 0.0)
+        if count - base_count <= 0:
+            return None  # no reward of this domain arrived in the window
+        return (total - base_total) / (count - base_count)
+
     def sample(self) -> None:
         """Read the source once and append this instant's points."""
         t = self.clock()
         stats = self.source()
         for chart, series, value in gauges(stats):
-            self._append(chart, series, t, value)
+            if chart != "reward" or series.startswith("eval "):
+                self._append(chart, series, t, value)
+        for domain, (total, count) in sorted(reward_totals(stats).items()):
+            if (mean := self._windowed_reward(domain, t, total, count)) is not None:
+                self._append("reward", domain, t, mean)
         for chart, series, value in counters(stats):
             prev = self._counters.get((chart, series))
             self._counters[(chart, series)] = (t, value)

@@ -57,7 +57,7 @@ class NatsServer(Service):
         return nats_jetstream_answers(self.url, timeout_s)
 
 
-def nats_jetstream_answers(url: str, timeout_s: float = 3.0) -> bool:
+def nats_jetstream_answers(url: str, timeout_s: float = 3.0, *, user_credentials: str | None = None) -> bool:
     """True if a client connects to ``url`` and JetStream answers an account-info request."""
 
     async def probe() -> bool:
@@ -69,7 +69,8 @@ def nats_jetstream_answers(url: str, timeout_s: float = 3.0) -> bool:
 
         try:
             nc = await nats.connect(
-                url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0, error_cb=ignore
+                url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0, error_cb=ignore,
+                user_credentials=user_credentials,
             )
         except (NatsError, OSError):
             return False

@@ -88,6 +88,22 @@ class FakeSandboxActor(Actor):
         return stats
 
 
+class FakeEvalActor(Actor):
+    """An eval role: held-out accuracy per domain, rising."""
+
+    role: ClassVar[str] = "eval"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticks = 0
+
+    def statistics(self) -> dict[str, Any]:
+        self.ticks += 1
+        stats = super().statistics()
+        stats.update(eval={"arith": {"tasks": 48, "accuracy": min(1.0, 0.1 + 0.02 * self.ticks), "solved": 0.1}})
+        return stats
+
+
 class _Dom(html.parser.HTMLParser):
     """Collects the attributes of every <path class="line"> and the text of every .latest span."""
 
@@ -152,11 +168,12 @@ async def test_dashboard_renders_live_charts_in_chromium(tmp_path: Path) -> None
     supervisor.add("inference", FakeInferenceActor)
     supervisor.add("learner", FakeLearnerActor)
     supervisor.add("sandbox.episodes", FakeSandboxActor)
+    supervisor.add("eval", FakeEvalActor)
     recorder = Recorder.from_supervisor(supervisor, interval_s=0.2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run)
         with anyio.fail_after(5):
-            while len(supervisor.actors) < 4:
+            while len(supervisor.actors) < 5:
                 await anyio.sleep(0.01)
         tg.start_soon(recorder.run)
         async with HttpServer("127.0.0.1", 0, supervisor,
@@ -176,7 +193,7 @@ async def test_dashboard_renders_live_charts_in_chromium(tmp_path: Path) -> None
     series = {p["data-series"]: p for p in dom.paths}
     for name in ("arith", "code", "reward records", "samples generated", "tokens out", "experiences emitted",
                  "version gap", "dropped stale", "samples trained", "episodes", "pool in use", "reward lag",
-                 "reward in flight"):
+                 "reward in flight", "eval arith"):
         assert name in series, f"no chart line for {name!r}; lines: {sorted(series)}"
     counts = {p["data-series"]: int(p["data-count"]) for p in dom.paths}
     assert all(n > 1 for n in counts.values()), counts
@@ -215,3 +232,50 @@ def test_learner_step_metrics_have_their_own_chart() -> None:
     recorder.sample()
     charts = {c["id"]: {s["name"]: s["latest"] for s in c["series"]} for c in recorder.data()["charts"]}
     assert charts["learner"] == {"entropy": 1.5, "KL to reference": 0.01, "clip fraction": 0.0, "grad norm": 0.7}
+
+
+def test_reward_is_a_moving_window_and_eval_and_pool_are_plotted() -> None:
+    """Rewards of 0 for 30 s, then of 1: the window (10 s) shows 1 while the mean since start is ~0.3;
+    a restart of the reward actor (counts drop) starts its totals again; the pool's in-use count is
+    the largest report of the process's sandbox actors (they share one pool), not their sum."""
+    t = 0.0
+    state = {"count": 0.0, "sum": 0.0}
+
+    def source() -> dict[str, dict[str, Any]]:
+        mean = state["sum"] / state["count"] if state["count"] else 0.0
+        return {"reward": {"role": "reward", "domains": {"arith": {"count": state["count"], "mean": mean}}},
+                "eval": {"role": "eval", "eval": {"arith": {"accuracy": 0.25, "tasks": 48}}},
+                "sandbox.episodes": {"role": "sandbox.episodes", "episodes": 2, "pool": {"in_use": 3, "idle": 1}},
+                "sandbox.verify": {"role": "sandbox.verify", "pool": {"in_use": 3, "idle": 1}}}
+
+    recorder = Recorder(source, reward_window_s=10.0, clock=lambda: t)
+
+    def latest(series: str, chart: str = "reward") -> float:
+        found = {s["name"]: s for c in recorder.data()["charts"] if c["id"] == chart for s in c["series"]}
+        return float(found[series]["latest"])
+
+    for second in range(60):
+        t = float(second)
+        reward = 0.0 if second < 30 else 1.0
+        state["count"] += 2
+        state["sum"] += 2 * reward
+        recorder.sample()
+        if second == 5:  # younger than the window: everything since the start
+            assert latest("arith") == 0.0
+    since_start = state["sum"] / state["count"]
+    assert since_start < 0.6 and latest("arith") == 1.0
+    assert latest("eval arith") == 0.25
+    assert latest("pool in use", "sandbox") == 3.0
+
+    # the reward actor restarts: its totals begin again, and so does the window
+    state.update(count=4.0, sum=1.0)
+    t = 60.0
+    recorder.sample()
+    assert latest("arith") == 0.25
+    # no reward arrives for longer than the window: no point is drawn, the last one stays the latest
+    for second in range(61, 80):
+        t = float(second)
+        recorder.sample()
+    points = [p for c in recorder.data()["charts"] if c["id"] == "reward" for s in c["series"] if s["name"] == "arith"
+              for p in s["points"]]
+    assert points[-1][0] <= 70.0

@@ -10,7 +10,7 @@ import torch
 
 from actors.inference.actor import InferenceActor
 from actors.inference.launch import LocalServer
-from actors.llm import load_model_dir, write_tiny_model_dir
+from actors.llm import load_model_dir, save_model_dir, write_tiny_model_dir
 from actors.runtime import Runtime
 from engine.actor import RestartPolicy, Supervisor
 from engine.config import EngineConfig, InferenceConfig, KafkaConfig, NatsConfig, SchedulerConfig
@@ -28,8 +28,8 @@ def _perturbed_copy(model_dir, out_dir) -> list:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(out_dir)
-    return [out_dir / "model.safetensors", out_dir / "config.json"]
+    save_model_dir(model, tokenizer, out_dir)  # a whole HF directory, as the learner publishes
+    return sorted(p for p in out_dir.iterdir() if p.is_file())
 
 
 def _traceparent(i: int) -> str:

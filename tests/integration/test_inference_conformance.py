@@ -29,6 +29,7 @@ from actors.inference.sglang_client import (
     SGLangWeightUpdateError,
 )
 from actors.llm import load_model_dir, save_model_dir, write_tiny_model_dir
+from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0
@@ -43,8 +44,10 @@ def anyio_backend() -> str:
 class ServerProcess:
     """A `rollout inference serve` subprocess on a free port."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env_extra: dict[str, str] | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.pop(API_KEY_ENV, None)
+        env.update(env_extra or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", *args],
             cwd=REPO,
@@ -416,3 +419,63 @@ def test_health_generate_is_503_until_a_model_loads(tmp_path: Path) -> None:
         assert proc.status("/health_generate") == 503
     finally:
         proc.stop()
+
+
+# ------------------------------------------------------------------------ api key (SGLang's --api-key)
+
+
+def test_serve_refuses_to_listen_beyond_loopback_without_a_key() -> None:
+    env = dict(os.environ)
+    env.pop(API_KEY_ENV, None)
+    for host in ("0.0.0.0", "::"):
+        done = subprocess.run([sys.executable, "-m", "ops.cli", "inference", "serve", "--host", host, "--port", "0"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stdout == ""  # never listened
+        assert f"refusing to listen on '{host}' without an API key" in done.stderr
+
+
+@pytest.mark.anyio
+async def test_serve_with_a_key_from_the_environment_guards_every_endpoint_but_health(
+        model_dirs: tuple[Path, Path]) -> None:
+    proc = ServerProcess("--host", "0.0.0.0", "--model-dir", str(model_dirs[0]), "--max-batch", "4",
+                         env_extra={API_KEY_ENV: "env-k3y"})
+    try:
+        assert proc.status("/health") == 200
+        assert proc.status("/health_generate") == 401 and proc.status("/get_model_info") == 401
+        async with SGLangClient([proc.url], api_key="env-k3y") as client:
+            await client.wait_healthy(timeout=STARTUP_TIMEOUT_S)
+            result = await client.generate([5, 6, 7], sampling_params={"max_new_tokens": 4, **GREEDY})
+            assert len(result.output_ids) == 4 and result.weight_version == "default"
+            [update] = await client.update_weights_from_disk(str(model_dirs[1]), weight_version="v2")
+            assert await client.get_weight_version() == "v2" and update.message
+        async with SGLangClient([proc.url], retries=0) as client:
+            with pytest.raises(SGLangWeightUpdateError, match="Unauthorized"):
+                await client.update_weights_from_disk(str(model_dirs[0]), weight_version="evil")
+            with pytest.raises(SGLangHTTPError) as info:
+                await client.generate([5])
+            assert info.value.status == 401
+        assert proc.proc.poll() is None
+        proc.proc.terminate()
+        proc.proc.wait(timeout=30)
+        assert "env-k3y" not in proc.stderr_tail()  # never logged
+    finally:
+        proc.stop()
+
+
+@pytest.mark.anyio
+async def test_embedded_server_gets_the_configured_key(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """What `rollout run` starts (actors/inference/launch.py): the key reaches the child, not its argv."""
+    from actors.inference.launch import LocalServer
+
+    server = LocalServer(model_dirs[0], log_path=tmp_path / "server.log", max_batch=4, api_key="run-k3y")
+    async with server as url:
+        assert server.proc is not None
+        with open(f"/proc/{server.proc.pid}/cmdline", "rb") as f:
+            assert b"run-k3y" not in f.read()
+        async with SGLangClient([url], api_key="run-k3y") as client:
+            assert len((await client.generate([5, 6], sampling_params={"max_new_tokens": 2, **GREEDY})).output_ids) == 2
+        async with SGLangClient([url], retries=0) as client:
+            with pytest.raises(SGLangHTTPError) as info:
+                await client.model_info()
+            assert info.value.status == 401
+    assert "run-k3y" not in (tmp_path / "server.log").read_text()

@@ -25,7 +25,7 @@ from actors.runtime import Runtime
 from engine.config import EngineConfig, KafkaConfig, LearnerConfig, NatsConfig, SchedulerConfig
 from engine.schemas import Experience
 from engine.topics import Names
-from streams.weights import WeightPublisher, WeightSubscriber
+from streams.weights import WeightPublisher, WeightSubscriber, check_hf_dir
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -263,7 +263,8 @@ async def test_weights_are_published_with_matching_digests_and_the_status_key_is
     assert seen_versions == sorted(set(seen_versions)) and seen_versions[-1] == 1
     assert (manifest.version, manifest.step) == (1, 2)
     names = {obj["name"].split("/", 1)[1] for obj in manifest.objects}
-    assert {"model.safetensors", "config.json"} <= names
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    check_hf_dir(vdir)  # what SGLang's /update_weights_from_disk and --model-path load
     for obj in manifest.objects:
         path = vdir / obj["name"].split("/", 1)[1]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == obj["sha256"]

@@ -1,12 +1,13 @@
 """The same-run benchmarks still run end to end: tiny schedules of ``loadtests/tracing_overhead.py`` and
 ``loadtests/stream_interval.py``, each as its own process (as they are run) against the session's broker
-and nats-server. Their figures are not judged here (tests never assert timings), only that every phase
+and nats-server, and ``rollout loadtest sandboxes --backend bwrap`` with no Docker engine. Their figures are not judged here (tests never assert timings), only that every phase
 ran with the setting it names and that the JSON carries what the docs quote.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,21 @@ def test_stream_interval_sends_fewer_token_records(kafka_bootstrap: str, nats_ur
     # most three at interval 8
     assert out["records_per_sample_interval_n"] <= 3 < out["records_per_sample_interval_1"] <= 24
     assert out["samples_per_phase"] >= 60 and out["speedup"] > 0
+
+
+def test_sandbox_loadtest_runs_bwrap_without_a_docker_engine(tmp_path: Path) -> None:
+    out = tmp_path / "sandboxes.json"
+    env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path / 'no-engine.sock'}"}
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "loadtest", "sandboxes", "--backend", "bwrap",
+                           "--concurrency", "1", "--duration", "1", "--open", "2", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "baseline skipped: no Docker engine" in proc.stderr
+    figures = json.loads(out.read_text())
+    assert figures["docker_run_baseline"].startswith("skipped: no Docker engine")
+    assert "speedup_vs_docker_run" in figures and figures["speedup_vs_docker_run"] is None
+    assert figures["cycles"] > 0 and figures["failures"] == 0 and figures["open_sandboxes"] == 2
+    assert {"phase_pool_start_s", "phase_cycles_s", "phase_open_s"} <= set(figures)
+    assert "phase_docker_run_s" not in figures
+    for key in ("phase_cycles_s", "phase_open_s"):
+        assert key in proc.stdout  # the table prints each phase's time

@@ -65,7 +65,9 @@ def test_run_reports_ready_serves_health_and_drains_on_sigterm(kafka_bootstrap, 
 
 
 @pytest.mark.parametrize("body,field", [("[learner]\nbatch_size = 0\n", "learner.batch_size"),
-                                        ("[kafka]\nbootstrapp = 'x'\n", "kafka.bootstrapp")])
+                                        ("[kafka]\nbootstrapp = 'x'\n", "kafka.bootstrapp"),
+                                        ("[inference]\nbackend = 'sglang'\nurls = ['http://sglang:30000']\n",
+                                         "inference.model_dir")])
 def test_run_refuses_a_bad_config_naming_file_and_field(tmp_path, body, field):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(body)

@@ -141,6 +141,9 @@ async def test_sandbox_role_end_to_end(kafka_bootstrap: str, nats_url: str, uniq
                     "checks": [{"cmd": "grep -q hello /work/sub/out.txt"}, {"cmd": "test -f /work/missing"}]}
             assert (await request("ep1", 0, "open", domain="terminal", spec=spec)).error == ""
             assert (await request("ep1", 1, "step", command="mkdir sub && cd sub && export SRC=/work/in.txt")).exit_code == 0
+            # the shared pool's statistics (the dashboard's "pool in use"): ep1 holds a sandbox
+            pool_stats = supervisor.actors["sandbox.episodes"].statistics()["pool"]
+            assert pool_stats["in_use"] >= 1 and pool_stats["created"] >= pool_stats["in_use"], pool_stats
             first = await request("ep1", 2, "step", command="cp $SRC out.txt; echo x >> /work/count; wc -l < /work/count")
             assert first.observation.strip() == "1" and first.exit_code == 0
             await request("ep1", 2, "step", command="cp $SRC out.txt; echo x >> /work/count; wc -l < /work/count")
@@ -193,6 +196,8 @@ async def test_sandbox_role_end_to_end(kafka_bootstrap: str, nats_url: str, uniq
         assert facts["terminal-lost"].verifier == "terminal"
         assert facts["terminal-lost"].error == "episode lost its sandbox: no sandbox reply for terminal-lost step 2"
         assert verify_stats["episodes_lost"] == 1
+        assert set(verify_stats["pool"]) == {"idle", "in_use", "created", "resets", "reaped", "trimmed"}
+        assert verify_stats["pool"]["resets"] >= 1  # ep1's sandbox went back to the pool, reset
         assert all(o.verify_s >= 0 for o in facts.values())
         letter = next(r.message for r in letters.records if r.message.topic == names.completions)
         assert isinstance(letter, DeadLetter) and letter.value == b"\xc1 not msgpack"

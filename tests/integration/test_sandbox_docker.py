@@ -1,9 +1,13 @@
-"""The docker backend against a real Docker engine: exec, limits, no network, read-only root, reset."""
+"""The docker backend against a real Docker engine: exec, limits, no network, read-only root, ptrace
+refused, reset in place. The attack suite (tests/integration/test_sandbox_bwrap.py) runs on docker too."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 
 from sandboxes import Limits, Sandbox, SandboxPool, open_sandbox
@@ -78,6 +82,62 @@ async def test_root_is_read_only(sandbox: Sandbox) -> None:
 
 
 @pytest.mark.anyio
+async def test_ptrace_is_refused(sandbox: Sandbox) -> None:
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"  # PTRACE_TRACEME
+            "import os\npid = os.fork()\nif pid == 0:\n    import time; time.sleep(5); os._exit(0)\n"
+            "print(libc.ptrace(16, pid, 0, 0), ctypes.get_errno())\n")  # PTRACE_ATTACH to its own child
+    result = await sandbox.exec(["python3", "-c", code])
+    assert result.stdout.split() == ["-1", "1", "-1", "1"], result  # EPERM, as under bwrap
+
+
+EPISODE = """
+set -e
+echo secret > /work/w.txt; mkdir -p /work/d/e; echo x > /work/d/e/f; chmod 000 /work/d; chmod 777 /work
+echo x > /tmp/t; mkdir /tmp/.hidden; echo y > /dev/shm/s
+python3 - <<'PY'
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.shmget(0x5eed, 4096, 0o1600) >= 0      # IPC_CREAT | 0600: a System V segment
+assert libc.semget(0x5eed, 1, 0o1600) >= 0
+assert libc.msgget(0x5eed, 0o1600) >= 0
+fd = os.open("/dev/mqueue/q", os.O_CREAT | os.O_RDWR, 0o600) if os.path.isdir("/dev/mqueue") else -1
+PY
+export LEAK=1
+(exec -a episode-daemon sleep 300) >/dev/null 2>&1 &
+nohup sleep 301 >/dev/null 2>&1 &
+"""
+
+INSPECT = """
+ls -A /work /tmp /verify /dev/shm; ls -A /dev/mqueue 2>/dev/null
+stat -c '%a %u' /work
+cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg | grep -c -w 24301 || true  # key 0x5eed
+echo "LEAK=${LEAK:-none}"
+ps -o pid,args | grep -v -e 'ps -o' -e grep -e '^ *1 ' -e PID | grep -c . || true
+"""
+
+
+@pytest.mark.anyio
+async def test_reset_in_place_leaves_nothing_of_the_episode(docker_engine: object) -> None:
+    async with open_sandbox("docker", Limits(memory_mb=64, pids=32, timeout_s=10)) as sb:
+        container, init = sb.container.id, sb.init_pids  # type: ignore[attr-defined]
+        pristine = await sb.exec(INSPECT)
+        await sb.write_protected_files({"tests/t.py": "assert True"})
+        episode = await sb.exec(EPISODE)
+        assert episode.exit_code == 0, episode
+        dirty = await sb.exec(INSPECT)
+        assert {"w.txt", "d", "t", ".hidden", "s", "tests"} <= set(dirty.stdout.split()), dirty
+        assert dirty.stdout.split()[-5:] == ["777", "65534", "3", "LEAK=none", "0"], dirty
+        assert sb.host_pids() == set(init)  # type: ignore[attr-defined]  # background jobs end with their exec
+        await sb.reset()
+        after = await sb.exec(INSPECT)
+        assert after.stdout == pristine.stdout, (pristine.stdout, after.stdout)
+        assert after.stdout.split()[-6:] == ["/work:", "700", "65534", "0", "LEAK=none", "0"], after
+        # the same container and init: the reset was done inside, not by starting a new container
+        assert (sb.container.id, sb.init_pids) == (container, init)  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
 async def test_reset_gives_a_pristine_sandbox(docker_engine: object) -> None:
     async with SandboxPool("docker", Limits(memory_mb=64, pids=16), size=1, max_size=1) as pool:
         async with pool.acquire() as sb:
@@ -87,3 +147,26 @@ async def test_reset_gives_a_pristine_sandbox(docker_engine: object) -> None:
             result = await sb.exec("ls -A /work /tmp; ps -o args | grep -c '[s]leep 300' || true")
             assert "keep.txt" not in result.stdout and "t\n" not in result.stdout.split("/tmp:")[1], result
             assert result.stdout.split()[-1] == "0"
+
+
+@pytest.mark.anyio
+async def test_a_dead_init_is_replaced_at_reset(sandbox: Sandbox) -> None:
+    old = sandbox.container.id  # type: ignore[attr-defined]
+    await sandbox.write_files({"old.txt": "x"})
+    (init,) = sandbox.init_pids  # type: ignore[attr-defined]
+    os.kill(init, signal.SIGKILL)  # the container ends with its pid 1
+    with anyio.fail_after(10):
+        while _state(init) not in ("", "Z"):
+            await anyio.sleep(0.01)
+    await sandbox.reset()
+    assert sandbox.container.id != old  # type: ignore[attr-defined]
+    result = await sandbox.exec("ls -A /work; echo back")
+    assert result.stdout == "back\n", result
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""

@@ -45,3 +45,40 @@ def test_env_values_parse_as_toml_or_string():
                          "ROLLOUT__NATS__URL": "nats://x:1", "OTHER": "1"})
     assert env == {"scheduler": {"domains": {"arith": 1.0, "code": 2.0}}, "nats": {"url": "nats://x:1"}}
     assert EngineConfig.model_validate(env).scheduler.domains["code"] == 2.0
+
+
+def test_sglang_backend_must_name_its_model_and_servers(tmp_path):
+    f = tmp_path / "sglang.toml"
+    f.write_text('[inference]\nbackend = "sglang"\nurls = ["http://sglang:30000"]\n')
+    with pytest.raises(ConfigError) as ei:
+        load_config(f, environ={})
+    message = str(ei.value)
+    assert message.startswith(f"{f}: inference.model_dir: backend 'sglang' needs the model directory")
+    assert "Value error" not in message
+    cfg = load_config(f, environ={"ROLLOUT__INFERENCE__MODEL_DIR": "/models/policy"})
+    assert cfg.inference.model_dir == "/models/policy"
+    f.write_text('[inference]\nbackend = "sglang"\nmodel_dir = "/models/policy"\n')
+    with pytest.raises(ConfigError, match=r"sglang\.toml: inference\.urls: backend 'sglang' needs the URLs"):
+        load_config(f, environ={})
+    assert load_config(environ={}).inference.model_dir is None  # the local backend may build its tiny model
+
+
+def test_inference_api_key_from_env_or_file_never_shown(tmp_path):
+    from engine.config import INFERENCE_API_KEY_ENV
+
+    assert INFERENCE_API_KEY_ENV == "ROLLOUT__INFERENCE__API_KEY"
+    cfg = load_config(environ={INFERENCE_API_KEY_ENV: "123e4567"})  # would parse as a TOML float
+    assert cfg.inference.resolved_api_key() == "123e4567"
+    assert "123e4567" not in repr(cfg) and "123e4567" not in str(cfg.model_dump())
+    key_file = tmp_path / "api-key"
+    key_file.write_text("  from-a-secret\n")
+    cfg = load_config(environ={"ROLLOUT__INFERENCE__API_KEY_FILE": str(key_file)})
+    assert cfg.inference.resolved_api_key() == "from-a-secret"
+    assert load_config(environ={}).inference.resolved_api_key() is None
+    key_file.write_text("\n")
+    with pytest.raises(ConfigError, match="inference.api_key_file: .* is empty"):
+        cfg.inference.resolved_api_key()
+    with pytest.raises(ConfigError, match="inference.api_key_file: cannot read"):
+        load_config(environ={"ROLLOUT__INFERENCE__API_KEY_FILE": str(tmp_path / "none")}).inference.resolved_api_key()
+    with pytest.raises(ConfigError, match="api_key and api_key_file are both set"):
+        load_config(environ={INFERENCE_API_KEY_ENV: "a", "ROLLOUT__INFERENCE__API_KEY_FILE": str(key_file)})

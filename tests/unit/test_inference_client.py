@@ -212,3 +212,166 @@ async def test_unreachable_server_raises_connection_error() -> None:
             await client.get_weight_version()
         assert info.value.attempts == 2
         assert not await client.health_generate()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("not_found", ["aiohttp", "fastapi"])
+async def test_weight_version_falls_back_to_model_info_when_the_endpoint_is_missing(fake, not_found: str) -> None:  # type: ignore[no-untyped-def]
+    """Upstream SGLang v0.5.15 answers /get_weight_version 404; the version is in /get_model_info too."""
+    calls: dict[str, int] = {"/get_weight_version": 0, "/get_model_info": 0}
+
+    async def missing(request: web.Request) -> web.Response:
+        calls[request.path] += 1
+        if not_found == "fastapi":  # SGLang's own 404 body
+            return web.json_response({"detail": "Not Found"}, status=404)
+        raise web.HTTPNotFound()  # aiohttp's plain-text 404
+
+    async def info(request: web.Request) -> web.Response:
+        calls[request.path] += 1
+        return web.json_response({"model_path": "/models/m", "tokenizer_path": "/models/m", "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "12"})
+
+    url = await fake({"/get_weight_version": missing, "/get_model_info": info})  # no /model_info either: 404
+    async with SGLangClient([url], retries=2, backoff_s=0.001) as client:
+        assert await client.get_weight_version() == "12"
+        assert await client.get_weight_version() == "12"
+    # a 404 is not retried, and the missing endpoint is asked once, not on every call
+    assert calls == {"/get_weight_version": 1, "/get_model_info": 2}
+
+
+@pytest.mark.anyio
+async def test_weight_version_missing_everywhere_is_a_protocol_error(fake) -> None:  # type: ignore[no-untyped-def]
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "/m", "is_generation": True})
+
+    url = await fake({"/model_info": info})
+    async with SGLangClient([url], retries=0) as client:
+        with pytest.raises(SGLangProtocolError, match="weight_version"):
+            await client.get_weight_version()
+
+
+@pytest.mark.anyio
+async def test_weight_version_endpoint_errors_other_than_404_propagate(fake) -> None:  # type: ignore[no-untyped-def]
+    async def broken(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "scheduler died"}}, status=500)
+
+    url = await fake({"/get_weight_version": broken})
+    async with SGLangClient([url], retries=0) as client:
+        with pytest.raises(SGLangHTTPError, match="scheduler died"):
+            await client.get_weight_version()
+
+
+# ------------------------------------------------------------------------ api key (SGLang's --api-key)
+
+
+@pytest.mark.anyio
+async def test_client_sends_the_bearer_key_on_every_call(fake) -> None:  # type: ignore[no-untyped-def]
+    seen: list[tuple[str, str | None]] = []
+
+    async def record(request: web.Request) -> web.StreamResponse:
+        seen.append((request.path, request.headers.get("Authorization")))
+        if request.path == "/generate" and (await request.json()).get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: " + json.dumps(_result([5], {"type": "length", "length": 1})).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if request.path == "/generate":
+            return web.json_response(_result([5], {"type": "length", "length": 1}))
+        if request.path == "/update_weights_from_disk":
+            return web.json_response({"success": True, "message": "ok"})
+        if request.path == "/health_generate":
+            return web.Response()
+        return web.json_response({"weight_version": "1"})
+
+    url = await fake({"/generate": record, "/get_weight_version": record, "/update_weights_from_disk": record,
+                      "/health_generate": record})
+    async with SGLangClient([url], api_key="s3cret") as client:
+        await client.generate([1], key="episode-1")
+        _ = [c async for c in client.generate_stream([1])]
+        await client.get_weight_version()
+        await client.update_weights_from_disk("/w", "2")
+        assert await client.health_generate()
+    assert [path for path, _ in seen] == ["/generate", "/generate", "/get_weight_version", "/update_weights_from_disk",
+                                          "/health_generate"]
+    assert {auth for _, auth in seen} == {"Bearer s3cret"}
+    seen.clear()
+    async with SGLangClient([url]) as client:  # no key: no header
+        await client.generate([1])
+    assert seen == [("/generate", None)]
+
+
+@pytest.fixture
+async def local_app_with_key() -> AsyncIterator[str]:
+    """The local server's app in-process (tiny model, built in a temp dir), requiring the key 'k3y'."""
+    from actors.inference.local.server import ServerConfig, build_app
+
+    server = TestServer(build_app(ServerConfig(api_key="k3y", max_batch=4, chunk_size=64)), port=0)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+@pytest.mark.anyio
+async def test_local_server_requires_the_key_everywhere_but_health(local_app_with_key: str) -> None:
+    import aiohttp
+
+    url = local_app_with_key
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/health") as resp:
+            assert resp.status == 200
+        for method, path in (("GET", "/server_info"), ("POST", "/generate"), ("POST", "/update_weights_from_disk"),
+                             ("POST", "/abort_request"), ("GET", "/get_weight_version"), ("GET", "/health_generate"),
+                             ("GET", "/no_such_endpoint")):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k3y"}):
+                async with http.request(method, url + path, json={"model_path": "/etc"}, headers=headers) as resp:
+                    assert resp.status == 401, (path, headers)
+                    assert await resp.json() == {"error": "Unauthorized"}
+        async with http.get(url + "/server_info", headers={"Authorization": "Bearer k3y"}) as resp:
+            assert resp.status == 200 and (await resp.json())["backend"] == "rollout-engine-local"
+    async with SGLangClient([url], retries=0) as client:
+        with pytest.raises(SGLangHTTPError) as info:
+            await client.server_info()
+        assert info.value.status == 401 and info.value.message == "Unauthorized" and "k3y" not in str(info.value)
+    async with SGLangClient([url], api_key="k3y") as client:
+        await client.wait_healthy(timeout=120)
+        result = await client.generate([5, 6], sampling_params={"max_new_tokens": 3, "temperature": 0.0})
+        assert len(result.output_ids) == 3
+        assert await client.get_weight_version() == "default"
+
+
+def test_loopback_detection() -> None:
+    from actors.inference.local.server import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "10.1.2.3", "192.168.0.1"))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", ""])
+async def test_local_server_refuses_to_listen_beyond_loopback_without_a_key(host: str) -> None:
+    from actors.inference.local.server import InsecureBindError, ServerConfig, serve
+
+    bound: list[int] = []
+    with pytest.raises(InsecureBindError, match="without an API key"):
+        await serve(ServerConfig(host=host, port=0), on_bound=lambda h, p: bound.append(p))
+    assert bound == []
+
+
+@pytest.mark.anyio
+async def test_local_server_listens_on_all_interfaces_with_a_key() -> None:
+    import asyncio
+
+    from actors.inference.local.server import ServerConfig, serve
+
+    bound = asyncio.Event()
+    config = ServerConfig(host="0.0.0.0", port=0, api_key="k3y", max_batch=2, chunk_size=16)
+    assert "k3y" not in repr(config)
+    # cancelled once, as `rollout inference serve` cancels it on SIGTERM, so its clean-up runs
+    task = asyncio.create_task(serve(config, on_bound=lambda h, p: bound.set()))
+    await asyncio.wait_for(bound.wait(), 60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

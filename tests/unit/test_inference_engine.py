@@ -9,7 +9,7 @@ import torch
 
 from actors.inference.local.engine import LocalEngine, Sequence
 from actors.inference.local.protocol import BadRequest, SamplingParams, ValidationFailed, parse_generate_request
-from actors.inference.local.runner import ForwardItem, ModelRunner
+from actors.inference.local.runner import SlotRunner, UnsupportedModel
 from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
 
@@ -24,31 +24,51 @@ def model_and_tokenizer(request: pytest.FixtureRequest):  # type: ignore[no-unty
     return build_tiny_model(tiny_config(len(tok), attn_implementation=request.param), seed=0), tok
 
 
-def test_ragged_chunked_batch_matches_full_forward(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_prefill_and_batched_decode_match_full_forward(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
     model, tok = model_and_tokenizer
-    runner = ModelRunner(model)
+    runner = SlotRunner(model, max_slots=8, initial_capacity=4)  # tiny capacity: the cache grows mid-test
     prompts = [tok.encode(p) for p in ("def f(x):", "1+2=", "ls -la /tmp && echo hi", "a")]
-    caches: list = [None] * len(prompts)
-    done = [0] * len(prompts)
-    last: list[torch.Tensor | None] = [None] * len(prompts)
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
-        items = [ForwardItem(caches[i], prompts[i][done[i] : done[i] + 3]) for i in rows]
-        logits, new = runner.forward(items)
-        for j, i in enumerate(rows):
-            caches[i], last[i] = new[j], logits[j]
-            done[i] += len(items[j].new_ids)
+    spare = runner.acquire()  # rows 1..4: the decode batch is not slots 0..B-1 (the index_select path)
+    slots = [runner.acquire() for _ in prompts]
+    last: list[torch.Tensor] = []
+    for slot, prompt in zip(slots, prompts):
+        done, logits = 0, None
+        while done < len(prompt):  # chunks of 3 against the growing cache
+            chunk = prompt[done : done + 3]
+            logits = runner.prefill(slot, done, chunk)
+            done += len(chunk)
+        assert logits is not None
+        last.append(logits)
     seqs = [list(p) for p in prompts]
     for _ in range(4):  # batched decode of sequences of different lengths
-        toks = [int(torch.argmax(t)) for t in last]  # type: ignore[arg-type]
+        toks = [int(torch.argmax(t)) for t in last]
         for s, t in zip(seqs, toks):
             s.append(t)
-        logits, caches = runner.forward([ForwardItem(c, [t]) for c, t in zip(caches, toks)])
-        last = list(logits)
+        last = list(runner.decode(slots, [len(s) - 1 for s in seqs], toks))
+    runner.release(spare)
     with torch.no_grad():
         for s, got in zip(seqs, last):
             want = model(input_ids=torch.tensor([s])).logits[0, -1]
-            assert torch.allclose(got, want, atol=1e-4)  # type: ignore[arg-type]
+            assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_copied_prefix_continues_like_the_source(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    model, tok = model_and_tokenizer
+    runner = SlotRunner(model, max_slots=4)
+    prompt = tok.encode("# write f: add 3\n")
+    a, b = runner.acquire(), runner.acquire()
+    want = runner.prefill(a, 0, prompt)
+    runner.copy_prefix(b, a, len(prompt) - 1)
+    got = runner.decode([b], [len(prompt) - 1], [prompt[-1]])[0]
+    assert want is not None and torch.allclose(got, want, atol=1e-5)
+
+
+def test_unsupported_architecture_is_refused() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16))
+    with pytest.raises(UnsupportedModel, match="gpt2"):
+        SlotRunner(model)
 
 
 async def _run(engine: LocalEngine, seq: Sequence) -> Sequence:
@@ -74,6 +94,29 @@ async def test_engine_chunked_prefill_and_batching_agree(model_and_tokenizer) ->
         finally:
             await engine.aclose()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.anyio
+async def test_a_group_computes_its_shared_prompt_once(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Eight samples of one prompt: seven copy the first one's prefix, and sample exactly as alone."""
+    model, tok = model_and_tokenizer
+    prompt = tok.encode("# goal: create a.txt containing hi\n$ ")
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, sampling_seed=i) for i in range(8)]
+    engine = LocalEngine(model, tok, max_batch=8, chunk_size=512)
+    await engine.start()
+    try:
+        group = [engine.submit(prompt, p) for p in params]
+        await asyncio.wait_for(asyncio.gather(*(_run(engine, s) for s in group)), 60)
+        assert sorted(s.cached_tokens for s in group) == [0] + [len(prompt) - 1] * 7
+        assert engine.statistics().prefill_tokens == len(prompt)  # the prompt once; the copies decode their last token
+        alone = []
+        for p in params:
+            alone.append(await asyncio.wait_for(_run(engine, engine.submit(prompt, p)), 30))
+    finally:
+        await engine.aclose()
+    for shared, single in zip(group, alone):
+        assert shared.output_ids == single.output_ids
+        assert shared.logprobs == pytest.approx(single.logprobs, abs=1e-4)
 
 
 @pytest.mark.anyio

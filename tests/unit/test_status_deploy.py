@@ -34,6 +34,49 @@ def test_example_config_is_complete_and_valid() -> None:
         assert f"[{section}]" in text
 
 
+def _deploy_configs() -> list[tuple[str, str]]:
+    """Every config in deploy/: the example files and the TOML the ConfigMap carries."""
+    configs = [(str(p), p.read_text()) for p in sorted((DEPLOY / "examples").glob("*.toml"))]
+    for d in _k8s():
+        if d["kind"] == "ConfigMap":
+            configs += [(f"configmap {d['metadata']['name']}: {key}", text)
+                        for key, text in d["data"].items() if key.endswith(".toml")]
+    return configs
+
+
+def test_every_sglang_config_names_the_model_it_serves(tmp_path: Path) -> None:
+    configs = _deploy_configs()
+    assert len(configs) >= 2
+    for i, (name, text) in enumerate(configs):
+        path = tmp_path / f"{i}.toml"
+        path.write_text(text)
+        cfg = load_config(path, environ={})
+        if cfg.inference.backend == "sglang":
+            assert cfg.inference.model_dir, name
+            assert cfg.inference.urls, name
+
+
+def test_k8s_mounts_the_served_model_where_the_config_says() -> None:
+    model_dir = load_config(DEPLOY / "examples" / "deploy.toml", environ={}).inference.model_dir
+    for d in _k8s():
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            [container] = d["spec"]["template"]["spec"]["containers"]
+            args = container["args"]
+            if args[args.index("--role") + 1] in ("inference", "learner"):
+                mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+                assert model_dir in mounts and mounts[model_dir].get("readOnly"), d["metadata"]["name"]
+
+
+def test_k8s_inference_pods_get_the_api_key_from_the_secret() -> None:
+    docs = _k8s()
+    [secret] = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "rollout-secrets"]
+    assert "ROLLOUT__INFERENCE__API_KEY" in secret["stringData"]
+    [inference] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "rollout-inference"]
+    [container] = inference["spec"]["template"]["spec"]["containers"]
+    assert {"secretRef": {"name": "rollout-secrets"}} in container["envFrom"]
+    assert load_config(DEPLOY / "examples" / "deploy.toml", environ={}).inference.api_key is None  # not in the file
+
+
 def test_configmap_carries_the_example_config() -> None:
     [cm] = [d for d in _k8s() if d["kind"] == "ConfigMap"]
     assert cm["data"]["deploy.toml"] == (DEPLOY / "examples" / "deploy.toml").read_text()

@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from actors.inference.local.protocol import BadRequest, SamplingParams
-from actors.inference.local.runner import ForwardItem, KVCache, ModelRunner
+from actors.inference.local.runner import SlotRunner
 
 __all__ = ["EngineStatistics", "LocalEngine", "Sequence", "WeightUpdateError"]
 
@@ -65,7 +65,12 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     token_versions: list[str] = field(default_factory=list)
-    cache: KVCache | None = None
+    slot: int | None = None
+    """Row of the runner's KV cache this sequence owns while it runs."""
+    cached: int = 0
+    """Tokens of prompt + output whose keys and values are in the slot."""
+    cached_tokens: int = 0
+    """Prompt tokens copied from another sequence's cache (prefix sharing; SGLang's ``cached_tokens``)."""
     finish_reason: dict[str, Any] | None = None
     finished_at: float | None = None
     weight_version: str = "default"
@@ -81,7 +86,10 @@ class Sequence:
 
     @property
     def cached_len(self) -> int:
-        return 0 if self.cache is None else int(self.cache[0][0].shape[-2])
+        return self.cached
+
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     def pending_ids(self) -> list[int]:
         """Tokens of prompt + output not yet in the KV cache."""
@@ -135,7 +143,7 @@ class LocalEngine:
             raise ValueError("max_batch and chunk_size must be at least 1")
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model)
+        self.runner = SlotRunner(model, max_slots=max_batch)
         self.max_batch = max_batch
         self.chunk_size = chunk_size
         self.weight_version = weight_version
@@ -262,7 +270,7 @@ class LocalEngine:
                 self.abort_all("Aborted by /pause_generation (mode=abort).")
             elif mode == "retract":
                 for seq in reversed(self._running):
-                    seq.cache = None
+                    self._release(seq)
                     self._waiting.appendleft(seq)
                 self._running.clear()
 
@@ -312,7 +320,9 @@ class LocalEngine:
                 if self._paused:
                     continue
                 while self._waiting and len(self._running) < self.max_batch:
-                    self._running.append(self._waiting.popleft())
+                    seq = self._waiting.popleft()
+                    seq.slot = self.runner.acquire()
+                    self._running.append(seq)
                 prefill, decode = self._plan()
                 if not prefill and not decode:
                     continue
@@ -335,10 +345,23 @@ class LocalEngine:
                 self._apply_aborts()
 
     def _plan(self) -> tuple[list[tuple[Sequence, list[int]]], list[Sequence]]:
+        """This step's prefill chunks and decode rows; new sequences first take a shared prefix.
+
+        Prefix sharing: a sequence with nothing cached copies the longest prefix it shares with a
+        running sequence's cache (keeping at least its last prompt token to compute, for the logits),
+        so the ``G`` samples of a GRPO group, and every prompt behind a chat template's system prompt,
+        compute their common tokens once. A new sequence that would share with another one being
+        prefilled in this very step waits one step and copies it then.
+        """
         prefill: list[tuple[Sequence, list[int]]] = []
         decode: list[Sequence] = []
         budget = self.chunk_size
         for seq in self._running:
+            if seq.cached == 0 and len(seq.prompt_ids) > 1:
+                self._share_prefix(seq)
+                if len(seq.pending_ids()) > 1 and any(
+                        _common_prefix(seq.prompt_ids, other.prompt_ids) > seq.cached + 8 for other, _ in prefill):
+                    continue  # copy from it next step instead of computing the same tokens twice
             pending = seq.pending_ids()
             if len(pending) == 1:
                 decode.append(seq)
@@ -348,22 +371,38 @@ class LocalEngine:
                 prefill.append((seq, chunk))
         return prefill, decode
 
+    def _share_prefix(self, seq: Sequence) -> None:
+        best, source = 0, None
+        limit = len(seq.prompt_ids) - 1
+        for other in self._running:
+            if other is seq or other.cached <= best or other.slot is None:
+                continue
+            n = min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
+            if n > best:
+                best, source = n, other
+        if source is not None and source.slot is not None and seq.slot is not None:
+            self.runner.copy_prefix(seq.slot, source.slot, best)
+            seq.cached = seq.cached_tokens = best
+
     def _step_sync(self, prefill: list[tuple[Sequence, list[int]]], decode: list[Sequence]) -> dict[Sequence, _Sampled]:
         """Worker-thread part of a step: forward passes, cache updates, sampling."""
         sampled: dict[Sequence, _Sampled] = {}
-        if prefill:
-            # A prefill chunk that completes a sequence's pending tokens yields its next-token logits.
-            done = [len(chunk) == len(seq.pending_ids()) for seq, chunk in prefill]
-            logits, caches = self.runner.forward([ForwardItem(seq.cache, chunk) for seq, chunk in prefill])
-            for (seq, chunk), cache, row, complete in zip(prefill, caches, logits, done):
-                seq.cache = cache
-                self._prefill_tokens += len(chunk)
-                if complete:
-                    sampled[seq] = self._sample(seq, row)
+        for seq, chunk in prefill:
+            assert seq.slot is not None
+            # A chunk that completes a sequence's pending tokens yields its next-token logits.
+            complete = len(chunk) == len(seq.pending_ids())
+            logits = self.runner.prefill(seq.slot, seq.cached, chunk, logits=complete)
+            seq.cached += len(chunk)
+            self._prefill_tokens += len(chunk)
+            if logits is not None:
+                sampled[seq] = self._sample(seq, logits)
         if decode:
-            logits, caches = self.runner.forward([ForwardItem(seq.cache, seq.pending_ids()) for seq in decode])
-            for seq, cache, row in zip(decode, caches, logits):
-                seq.cache = cache
+            slots = [seq.slot for seq in decode]
+            assert all(s is not None for s in slots)
+            tokens = [seq.pending_ids()[0] for seq in decode]
+            logits = self.runner.decode(slots, [seq.cached for seq in decode], tokens)  # type: ignore[arg-type]
+            for seq, row in zip(decode, logits):
+                seq.cached += 1
                 sampled[seq] = self._sample(seq, row)
             self._decode_tokens += len(decode)
         return sampled
@@ -442,9 +481,15 @@ class LocalEngine:
         seq.finish_reason = reason
         seq.finished_at = time.monotonic()
         seq.weight_version = self.weight_version
-        seq.cache = None
+        self._release(seq)
         self._finished += 1
         seq.changed.set()
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.runner.release(seq.slot)
+        seq.slot = None
+        seq.cached = 0
 
     # ---------------------------------------------------------------- output
 
@@ -465,6 +510,14 @@ class LocalEngine:
         if seq.stop_trim_chars is not None and not params.no_stop_trim:
             text = text[: seq.stop_trim_chars]
         return text
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _abort_reason(message: str) -> dict[str, Any]:

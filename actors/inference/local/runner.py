@@ -1,124 +1,207 @@
-"""Batched forward passes over sequences that each keep their own KV cache.
+"""Forward passes of a Llama-family causal LM over a slot KV cache (CPU, no grad).
 
-A sequence's cache is a tuple with one ``(keys, values)`` pair per layer, each of shape
-``(1, kv_heads, length, head_dim)``. One call of :meth:`ModelRunner.forward` runs any number of
-sequences, each with its own cached length ``L_i`` and ``n_i >= 1`` new tokens. Row ``i`` of the batch is
-laid out as::
+The local engine keeps every running sequence's keys and values in one preallocated tensor per layer,
+``(slots, kv_heads, capacity, head_dim)``: a sequence owns a *slot* (a row) for its whole life, and its
+``n`` cached tokens are that row's first ``n`` positions. Nothing is restacked or re-padded between
+steps, which is what made the earlier per-sequence cache (one tensor per sequence, padded into a batch
+at every step) slower than plain ``transformers`` ``generate`` on a real model.
 
-    [pad * (P - L_i)] [cached L_i] [pad * (N - n_i)] [new n_i]        P = max L_i, N = max n_i
+- :meth:`SlotRunner.decode` runs one new token for each of many sequences in ONE batched pass: each
+  row writes its key/value at its own position and attends to its own slot under a length mask. When
+  the rows are slots ``0..B-1`` in order (the common case: the engine hands out the lowest free slots)
+  the keys are a view of the cache, not a copy.
+- :meth:`SlotRunner.prefill` runs a chunk of new tokens of one sequence against what its slot already
+  holds (chunked prefill: peak attention memory ~ chunk x context, not context squared).
+- :meth:`SlotRunner.copy_prefix` copies the first ``n`` cached positions of one slot into another:
+  the engine's prefix sharing (a GRPO group's ``G`` samples share a prompt: it is computed once).
 
-so every row's last new token sits at the last position (only that position's logits are computed).
-The attention mask is built here as a 4-D boolean tensor: query q may see key k when k is a real token
-and k <= q, and every query sees itself. The self-edge keeps padding queries from having an all-masked
-row (which gives NaN in SDPA, and a NaN value would poison real tokens through ``0 * NaN``); real
-queries never see padding keys, so whatever the padding computes is never read. Positions (RoPE) are
-the true per-sequence positions. After the pass each row's cache is cut back to ``[cached] [new]``.
+The math is the model's own: embeddings, norms, MLPs, rotary embedding and projections are the Hugging
+Face modules themselves, called here; only attention against the slot cache is written out. So a
+weight update that loads new tensors into the model (``load_state_dict``) takes effect on the next
+pass, and the logits agree with the Hugging Face forward to float rounding (tested). Supported
+families: Llama, Qwen2 (q/k/v biases come with its Linear modules) and Mistral (without its sliding
+window: contexts longer than the window are attended in full).
+
+The cache grows on demand: slots and capacity double when needed, up to ``max_slots`` and the
+model's context length. Memory per cached token is ``2 x layers x kv_heads x head_dim x 4`` bytes in
+fp32 (46 KB for SmolLM2-135M), times slots x capacity allocated.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-
 import torch
-from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache, PreTrainedModel
+import torch.nn.functional as F
+from transformers import PreTrainedModel
 
-KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+__all__ = ["SUPPORTED_MODEL_TYPES", "SlotRunner", "UnsupportedModel"]
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
 
-@dataclass(frozen=True)
-class ForwardItem:
-    """One sequence's part of a batched pass: its cache (``None`` when empty) and its new token ids."""
+class UnsupportedModel(ValueError):
+    """The local backend cannot serve this architecture."""
 
-    cache: KVCache | None
-    new_ids: list[int]
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SlotRunner:
+    """Runs one model over sequences that each own a slot of a shared KV cache; see the module docstring."""
+
+    def __init__(self, model: PreTrainedModel, *, max_slots: int = 64, initial_capacity: int = 128) -> None:
+        config = model.config
+        model_type = getattr(config, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(f"the local backend serves {sorted(SUPPORTED_MODEL_TYPES)} models, "
+                                   f"not model_type {model_type!r}; serve it with the sglang backend")
+        self.model = model
+        self.body = model.get_decoder()
+        self.layers = list(self.body.layers)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.context_length = int(getattr(config, "max_position_embeddings", 4096))
+        self.max_slots = max_slots
+        self.dtype = next(model.parameters()).dtype
+        self._capacity = max(1, min(initial_capacity, self.context_length))
+        self._slots = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._grow(slots=min(8, max_slots), capacity=self._capacity)
+
+    # -- slots -------------------------------------------------------------------------------------
+    def acquire(self) -> int:
+        """A free slot (the lowest one, so decode batches stay contiguous)."""
+        if not self._free:
+            if self._slots >= self.max_slots:
+                raise RuntimeError(f"all {self.max_slots} KV slots are in use")
+            self._grow(slots=min(self.max_slots, 2 * self._slots), capacity=self._capacity)
+        slot = min(self._free)
+        self._free.remove(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
 
     @property
-    def cached_len(self) -> int:
-        return 0 if self.cache is None else int(self.cache[0][0].shape[-2])
+    def capacity(self) -> int:
+        return self._capacity
 
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-class ModelRunner:
-    """Runs a Hugging Face causal LM over ragged batches with per-sequence KV caches (CPU, no grad)."""
+    def _grow(self, *, slots: int, capacity: int) -> None:
+        if slots == self._slots and capacity == self._capacity and self.k:
+            return
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        new_k, new_v = [], []
+        for layer in range(len(self.layers)):
+            k = torch.zeros(shape, dtype=self.dtype)
+            v = torch.zeros(shape, dtype=self.dtype)
+            if self.k:
+                old_slots, old_cap = self.k[layer].shape[0], self.k[layer].shape[2]
+                k[:old_slots, :, :old_cap] = self.k[layer]
+                v[:old_slots, :, :old_cap] = self.v[layer]
+            new_k.append(k)
+            new_v.append(v)
+        self._free.extend(range(self._slots, slots))
+        self.k, self.v, self._slots, self._capacity = new_k, new_v, slots, capacity
 
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        self.config = model.config
-        params = inspect.signature(model.forward).parameters
-        # transformers 5.x renamed the forward argument `past_key_values` to `cache`.
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._eager = getattr(self.config, "_attn_implementation", "sdpa") == "eager"
-        self.pad_id = int(getattr(self.config, "pad_token_id", None) or 0)
+    def _ensure_capacity(self, length: int) -> None:
+        if length > self.context_length:
+            raise ValueError(f"{length} tokens exceed the model's context length {self.context_length}")
+        if length > self._capacity:
+            cap = self._capacity
+            while cap < length:
+                cap *= 2
+            self._grow(slots=self._slots, capacity=min(cap, self.context_length))
 
     @torch.inference_mode()
-    def forward(self, items: list[ForwardItem]) -> tuple[torch.Tensor, list[KVCache]]:
-        """Run one pass; return the logits of each row's last new token ``(B, vocab)`` and the new caches."""
-        if not items:
-            raise ValueError("forward() needs at least one item")
-        batch = len(items)
-        past_lens = [it.cached_len for it in items]
-        new_lens = [len(it.new_ids) for it in items]
-        if min(new_lens) < 1:
-            raise ValueError("every item needs at least one new token")
-        p_max, n_max = max(past_lens), max(new_lens)
-        total = p_max + n_max
+    def copy_prefix(self, dst: int, src: int, n: int) -> None:
+        """Make slot ``dst`` hold the first ``n`` cached positions of slot ``src``."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
 
-        input_ids = torch.full((batch, n_max), self.pad_id, dtype=torch.long)
-        position_ids = torch.zeros((batch, n_max), dtype=torch.long)
-        key_valid = torch.zeros((batch, total), dtype=torch.bool)
-        for row, (it, past, new) in enumerate(zip(items, past_lens, new_lens)):
-            input_ids[row, n_max - new :] = torch.tensor(it.new_ids, dtype=torch.long)
-            position_ids[row, n_max - new :] = torch.arange(past, past + new)
-            key_valid[row, p_max - past : p_max] = True
-            key_valid[row, total - new :] = True
+    # -- forward passes ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
+        """One new token per row: ``token_ids[i]`` at ``positions[i]`` of ``slots[i]``; returns logits (B, vocab)."""
+        if not slots:
+            raise ValueError("decode() needs at least one row")
+        batch = len(slots)
+        longest = max(positions) + 1
+        self._ensure_capacity(longest)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        contiguous = slots == list(range(batch))
+        # key j of row i is visible when j <= positions[i]
+        mask = (torch.arange(longest).view(1, longest) <= pos.view(batch, 1)).view(batch, 1, 1, longest)
+        hidden = self.body.embed_tokens(torch.tensor(token_ids, dtype=torch.long).view(batch, 1))
+        cos, sin = self._rotary(hidden, pos.view(batch, 1))
+        for layer, module in enumerate(self.layers):
+            attn = module.self_attn
+            x = module.input_layernorm(hidden)
+            q, k, v = self._qkv(attn, x, batch, 1, cos, sin)
+            cache_k, cache_v = self.k[layer], self.v[layer]
+            cache_k[slot_t, :, pos] = k[:, :, 0]
+            cache_v[slot_t, :, pos] = v[:, :, 0]
+            if contiguous:
+                keys, values = cache_k[:batch, :, :longest], cache_v[:batch, :, :longest]
+            else:
+                keys = cache_k[:, :, :longest].index_select(0, slot_t)
+                values = cache_v[:, :, :longest].index_select(0, slot_t)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=self.kv_heads != self.heads)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, 1, -1))
+            hidden = hidden + module.mlp(module.post_attention_layernorm(hidden))
+        return self._logits(hidden[:, -1])
 
-        q_pos = torch.arange(p_max, total).view(1, n_max, 1)
-        k_pos = torch.arange(total).view(1, 1, total)
-        allowed = key_valid.view(batch, 1, total) & (k_pos <= q_pos)
-        allowed |= k_pos == q_pos
-        mask = allowed.unsqueeze(1)  # (B, 1, N, P + N)
-        if self._eager:
-            # eager attention adds the mask to the scores instead of selecting with it.
-            mask = torch.zeros(mask.shape, dtype=self.model.dtype).masked_fill(~mask, torch.finfo(self.model.dtype).min)
+    @torch.inference_mode()
+    def prefill(self, slot: int, start: int, token_ids: list[int], *, logits: bool = True) -> torch.Tensor | None:
+        """Run ``token_ids`` at positions ``start..`` of ``slot`` (which holds ``start`` tokens); logits of the last."""
+        n = len(token_ids)
+        if n < 1:
+            raise ValueError("prefill() needs at least one token")
+        end = start + n
+        self._ensure_capacity(end)
+        pos = torch.arange(start, end).view(1, n)
+        hidden = self.body.embed_tokens(torch.tensor(token_ids, dtype=torch.long).view(1, n))
+        cos, sin = self._rotary(hidden, pos)
+        mask = None
+        if start > 0:  # causal with an offset: query t sees keys 0..start+t
+            mask = (torch.arange(end).view(1, end) <= pos.view(n, 1)).view(1, 1, n, end)
+        for layer, module in enumerate(self.layers):
+            attn = module.self_attn
+            x = module.input_layernorm(hidden)
+            q, k, v = self._qkv(attn, x, 1, n, cos, sin)
+            cache_k, cache_v = self.k[layer], self.v[layer]
+            cache_k[slot, :, start:end] = k[0]
+            cache_v[slot, :, start:end] = v[0]
+            keys, values = cache_k[slot : slot + 1, :, :end], cache_v[slot : slot + 1, :, :end]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=self.kv_heads != self.heads)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            hidden = hidden + module.mlp(module.post_attention_layernorm(hidden))
+        return self._logits(hidden[:, -1])[0] if logits else None
 
-        cache = DynamicCache(ddp_cache_data=self._stack(items, past_lens, p_max)) if p_max > 0 else DynamicCache()
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
-        logits = out.logits[:, -1, :].float()
-        layers = [(k, v) for k, v, *_ in cache]
-        new_caches: list[KVCache] = []
-        for row, (past, new) in enumerate(zip(past_lens, new_lens)):
-            new_caches.append(tuple((self._row_kv(k, row, p_max, past, total, new), self._row_kv(v, row, p_max, past, total, new)) for k, v in layers))
-        return logits, new_caches
+    # -- pieces ------------------------------------------------------------------------------------
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.body.rotary_emb(hidden, position_ids)  # (B, T, head_dim)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
-    @staticmethod
-    def _row_kv(t: torch.Tensor, row: int, p_max: int, past: int, total: int, new: int) -> torch.Tensor:
-        if new == total - p_max:
-            # no padding between this row's cached and new tokens: a view, no copy (it keeps the
-            # step's batched tensor alive until the row's next step replaces it)
-            return t[row : row + 1, :, p_max - past :]
-        cached = t[row : row + 1, :, p_max - past : p_max]
-        fresh = t[row : row + 1, :, total - new :]
-        return torch.cat([cached, fresh], dim=2)
+    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor, batch: int, n: int, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = attn.q_proj(x).view(batch, n, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
 
-    @staticmethod
-    def _stack(items: list[ForwardItem], past_lens: list[int], p_max: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Left-pad every row's cache to ``p_max``: one ``(B, heads, p_max, dim)`` pair per layer."""
-        ref = next(it.cache for it in items if it.cache is not None)
-        empty = ref[0][0][0, :, :0]  # (heads, 0, dim)
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in range(len(ref)):
-            stacked = []
-            for kv in (0, 1):
-                rows = [(it.cache[layer][kv][0] if it.cache is not None else empty).transpose(0, 1) for it in items]
-                padded = pad_sequence(rows, batch_first=True, padding_side="left")  # (B, p_max, heads, dim)
-                stacked.append(padded.transpose(1, 2))
-            layers.append((stacked[0], stacked[1]))
-        return layers
+    def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.body.norm(last_hidden)).float()

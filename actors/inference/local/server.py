@@ -5,17 +5,25 @@ The model loads in the background after the socket is bound: ``/health`` answers
 
 Extension to SGLang's response: ``meta_info["output_token_weight_versions"]`` lists, for every output
 token, the weight version it was sampled under (a generation may span a weight update).
+
+Authentication, as SGLang's ``--api-key``: with ``ServerConfig.api_key`` every endpoint but ``/health``
+needs ``Authorization: Bearer <key>`` and answers 401 ``{"error": "Unauthorized"}`` without it (SGLang
+also leaves ``/health_generate`` and ``/metrics`` open; here ``/health_generate`` runs a generation, so
+it is guarded). :func:`serve` refuses to listen beyond loopback without a key: the weight-update
+endpoints would load any path anyone who reaches the port names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import tempfile
 import time
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +40,7 @@ from actors.inference.local.protocol import (
     parse_generate_request,
 )
 
-__all__ = ["ServerConfig", "build_app", "serve"]
+__all__ = ["InsecureBindError", "ServerConfig", "build_app", "is_loopback", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,49 @@ class ServerConfig:
     gc_freeze: bool = False
     """Once the model is loaded, freeze the heap out of the cyclic collector's reach (``engine.process``);
     ``rollout inference serve`` sets it: the server is then its own process."""
+    api_key: str | None = field(default=None, repr=False)
+    """Bearer key every endpoint but ``/health`` requires (None: none, and loopback only)."""
+
+
+class InsecureBindError(ValueError):
+    """Asked to listen beyond loopback without an api key."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(
+            f"refusing to listen on {host!r} without an API key: beyond loopback anyone who reaches the port "
+            "could generate and replace the weights (/update_weights_from_disk). Give a key (--api-key-file "
+            "FILE, --api-key KEY or ROLLOUT__INFERENCE__API_KEY) or bind 127.0.0.1")
+        self.host = host
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback address (``""`` means every interface: no)."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
+def _auth_middleware(api_key: str) -> Any:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/health":
+            return await handler(request)
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, expected):  # constant time: the comparison leaks no prefix
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return require_key
 
 
 class _State:
@@ -107,7 +158,7 @@ def _result_json(engine: LocalEngine, seq: Sequence, req: GenerateRequest, index
         "finish_reason": seq.finish_reason,
         "prompt_tokens": len(seq.prompt_ids),
         "completion_tokens": len(seq.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "weight_version": seq.weight_version,
         "output_token_weight_versions": list(seq.token_versions),
         "e2e_latency": (seq.finished_at or time.monotonic()) - seq.created,
@@ -431,7 +482,8 @@ async def _load_engine(state: _State) -> None:
 
 def build_app(config: ServerConfig) -> web.Application:
     """The aiohttp application; the model starts loading when the app starts."""
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    middlewares = [_auth_middleware(config.api_key)] if config.api_key else []
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=middlewares)
     state = _State(config)
     app[_STATE] = state
 
@@ -475,7 +527,12 @@ def build_app(config: ServerConfig) -> web.Application:
 
 
 async def serve(config: ServerConfig, *, on_bound: Callable[[str, int], None] | None = None) -> None:
-    """Run the server until cancelled; ``on_bound(host, port)`` is called once the socket listens."""
+    """Run the server until cancelled; ``on_bound(host, port)`` is called once the socket listens.
+
+    Raises :class:`InsecureBindError` (before binding) for a non-loopback host without an api key.
+    """
+    if not config.api_key and not is_loopback(config.host):
+        raise InsecureBindError(config.host)
     sock = socket.create_server((config.host, config.port))
     config = replace(config, port=int(sock.getsockname()[1]))
     runner = web.AppRunner(build_app(config), access_log=None)
