@@ -330,17 +330,17 @@ def _pack_rows(samples: Sequence[Experience], rows: list[list[int]], pad_id: int
     segment = torch.full((b, width), -2, dtype=torch.long)  # -1: prompt, k: the row's k-th response, -2: padding
     pred, targets, temp, behav, mask, adv, sidx, tidx = [], [], [], [], [], [], [], []
     for row_i, row in enumerate(rows):
-        prompt = np.asarray(samples[row[0]].prompt_ids, dtype=np.int64)
+        prompt = np.array(samples[row[0]].prompt_ids, dtype=np.int64)  # a copy: decoded arrays are read-only
         p = len(prompt)
         base = row_i * width
-        input_ids[row_i, :p] = torch.tensor(prompt)
+        input_ids[row_i, :p] = torch.from_numpy(prompt)
         position_ids[row_i, :p] = torch.arange(p)
         segment[row_i, :p] = -1
         start = p
         for k, i in enumerate(row):
             s = samples[i]
             r = len(s.response_ids)
-            input_ids[row_i, start:start + r] = torch.tensor(np.asarray(s.response_ids, dtype=np.int64))
+            input_ids[row_i, start:start + r] = torch.from_numpy(np.array(s.response_ids, dtype=np.int64))
             position_ids[row_i, start:start + r] = torch.arange(p, p + r)
             segment[row_i, start:start + r] = k
             # token 0 is predicted by the prompt's last position (shared by the row), token t by start + t - 1
@@ -350,8 +350,8 @@ def _pack_rows(samples: Sequence[Experience], rows: list[list[int]], pad_id: int
             pred.append(base + where)
             targets.append(input_ids[row_i, start:start + r])
             temp.append(torch.full((r,), sample_temperature(s), dtype=torch.float32))
-            behav.append(torch.tensor(np.asarray(s.logprobs, dtype=np.float32)))
-            m = torch.from_numpy(np.asarray(s.loss_mask).astype(bool))
+            behav.append(torch.from_numpy(np.array(s.logprobs, dtype=np.float32)))
+            m = torch.from_numpy(np.array(s.loss_mask, dtype=bool))
             if p == 0 and r:
                 m[0] = False  # nothing precedes the first token: there is no distribution to score
             mask.append(m)

@@ -241,7 +241,7 @@ class LearnerConfig(Section):
     torch_threads: int = Field(1, ge=0)
     """Intra-op threads of the learner's torch (0: torch's default). On small hosts shared with the
     inference server, one thread avoids oversubscription that makes every step several times slower."""
-    micro_batch_tokens: int = Field(4096, ge=1)
+    micro_batch_tokens: int = Field(2048, ge=1)
     """Token budget of one forward/backward pass (rows x padded row length); a step is split into
     micro-batches under it and their gradients accumulated, the loss still a mean over the whole
     step's tokens. Bounds the learner's activation memory (a row longer than the budget runs alone)."""

@@ -19,7 +19,9 @@ Which statistic feeds which chart (:func:`gauges`, :func:`counters`):
 - ``sandbox``: open episodes (each holds a sandbox), the pool's sandboxes in use (the sandbox actors'
   ``pool`` statistics; the actors of a process share one pool, so the largest report counts), and
   records in flight in the sandbox actors;
-- ``lag``: consumer lag (uncommitted records) and records in flight per actor.
+- ``lag``: consumer lag (uncommitted records) and records in flight per actor;
+- ``learner``: the last optimizer step's policy entropy, KL to the reference (k3), clip fraction
+  and gradient norm (the learner's ``metrics``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ CHARTS = (
     Chart("staleness", "Staleness", "versions / stale samples per s"),
     Chart("sandbox", "Sandbox use", "sandboxes / records"),
     Chart("lag", "Consumer lag", "records"),
+    Chart("learner", "Learner step", "nats / fraction / norm"),
 )
+
+LEARNER_SERIES = (("entropy", "entropy"), ("kl_ref", "KL to reference"), ("clip_frac", "clip fraction"),
+                  ("grad_norm", "grad norm"))
+"""(key of the learner's step metrics, series name) on the ``learner`` chart."""
 
 Point = tuple[str, str, float]
 """(chart id, series name, value)."""
@@ -96,6 +103,10 @@ def gauges(stats: dict[str, dict[str, Any]]) -> list[Point]:
                     points.append(("reward", f"eval {domain}", v))
         if role == "learner" and (v := _num(s.get("version"))) is not None:
             learner_versions.append(v)
+        if role == "learner" and isinstance(metrics := s.get("metrics"), dict):
+            for key, series in LEARNER_SERIES:
+                if (v := _num(metrics.get(key))) is not None:
+                    points.append(("learner", series, v))
         elif (v := _num(s.get("learner_version"))) is not None:
             learner_versions.append(v)
         if (v := _num(s.get("weight_version"))) is not None:

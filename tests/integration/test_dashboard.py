@@ -226,6 +226,14 @@ def test_recorder_turns_counters_into_rates_in_bounded_buffers() -> None:
     assert charts["sandbox"] == {}
 
 
+def test_learner_step_metrics_have_their_own_chart() -> None:
+    metrics = {"entropy": 1.5, "kl_ref": 0.01, "clip_frac": 0.0, "grad_norm": 0.7, "loss": -0.2}
+    recorder = Recorder(lambda: {"learner": {"role": "learner", "version": 3, "metrics": metrics}}, clock=lambda: 1.0)
+    recorder.sample()
+    charts = {c["id"]: {s["name"]: s["latest"] for s in c["series"]} for c in recorder.data()["charts"]}
+    assert charts["learner"] == {"entropy": 1.5, "KL to reference": 0.01, "clip fraction": 0.0, "grad norm": 0.7}
+
+
 def test_reward_is_a_moving_window_and_eval_and_pool_are_plotted() -> None:
     """Rewards of 0 for 30 s, then of 1: the window (10 s) shows 1 while the mean since start is ~0.3;
     a restart of the reward actor (counts drop) starts its totals again; the pool's in-use count is

@@ -186,6 +186,9 @@ def test_shared_prefix_packing_gives_the_unpacked_logprobs_and_gradients(tokeniz
 
 def test_micro_batches_stay_under_the_token_budget_and_split_long_groups():
     samples = grpo_batch(groups=4, size=8, seed=3)
+    for s in samples:  # as decoded from the wire: read-only arrays (torch warns on those, warnings are errors)
+        for arr in (s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask):
+            arr.setflags(write=False)
     budget = 40
     mbs = pack(samples, micro_batch_tokens=budget)
     assert sum(len(mb.targets) for mb in mbs) == sum(len(s.response_ids) for s in samples)
