@@ -45,9 +45,11 @@ def test_heldout_prompts_are_distinct_and_capped_by_the_space(name: str) -> None
     domain = DOMAINS[name]
     small = domain.heldout(5, seed=1)
     assert len(small) == 5 and len({p for p, _ in small}) == 5
-    everything = domain.heldout(10_000, seed=1)  # more than the easiest level's held-out space holds
+    everything = domain.heldout(10_000, seed=1)  # more than the easiest level's held-out space holds (docqa's is larger)
     prompts = [p for p, _ in everything]
-    assert len(prompts) == len(set(prompts)) < 10_000
+    assert len(prompts) == len(set(prompts)) <= 10_000
+    if name != "docqa":
+        assert len(prompts) < 10_000
     assert set(p for p, _ in small) <= set(prompts)
 
 
