@@ -68,6 +68,27 @@ class _Offered:
     at_ns: int
 
 
+def save_weights(model: PreTrainedModel, out_dir: Path, dtype: str = "float32") -> list[str | Path]:
+    """Write ``model`` as a Hugging Face directory for publication, floating tensors in ``dtype``.
+
+    Tensors that share storage (tied embeddings) are converted once and stay shared, so
+    ``save_pretrained`` still writes them once. Returns the files written, sorted.
+    """
+    wire = getattr(torch, dtype)
+    if all(p.dtype == wire for p in model.state_dict().values() if p.is_floating_point()):
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        converted: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+        state = {}
+        for name, t in model.state_dict().items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key not in converted:
+                converted[key] = t.detach().to(wire) if t.is_floating_point() else t
+            state[name] = converted[key]
+        model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
+    return sorted(p for p in out_dir.iterdir() if p.is_file())
+
+
 class LearnerActor(Actor):
     """Consumes experience, trains, publishes weights, checkpoints; see the module docstring."""
 
@@ -207,8 +228,7 @@ class LearnerActor(Actor):
         assert self.learner is not None and self.publisher is not None
         learner = self.learner
         with tempfile.TemporaryDirectory(prefix="rollout-weights-") as tmp:
-            await anyio.to_thread.run_sync(lambda: learner.model.save_pretrained(tmp, safe_serialization=True))
-            files: list[str | Path] = sorted(p for p in Path(tmp).iterdir() if p.is_file())
+            files = await anyio.to_thread.run_sync(save_weights, learner.model, Path(tmp), self.cfg.publish_dtype)
             await self.publisher.publish(learner.version, files, step=learner.step_count)
         self.published_version = learner.version
 
