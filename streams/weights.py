@@ -7,6 +7,7 @@ objects are missing. Fetches check each object's sha256 against the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
@@ -106,10 +107,13 @@ class WeightSubscriber:
         self.kv_bucket = names.bucket("control")
 
     async def manifests(self) -> AsyncIterator[WeightManifest]:
-        async for raw in self.nats.kv_watch(self.kv_bucket, Names.WEIGHTS_KEY):
-            m = _manifest(raw)
-            if m is not None:
-                yield m
+        # closed with this generator, not whenever the garbage collector finds it (by then the connection
+        # may be draining, and stopping the watch fails in a task nobody awaits)
+        async with contextlib.aclosing(self.nats.kv_watch(self.kv_bucket, Names.WEIGHTS_KEY)) as updates:
+            async for raw in updates:
+                m = _manifest(raw)
+                if m is not None:
+                    yield m
 
     async def fetch(self, manifest: WeightManifest) -> Path:
         """Download every object of ``manifest``; returns the version's directory."""
