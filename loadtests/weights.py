@@ -9,11 +9,14 @@ One version goes the whole way a learner's publication goes to a server, timed p
 - apply: ``LocalEngine.update_weights_from_disk`` into a float32 model (read, check, cast, swap).
 
 ``sync_seconds_*`` is the sum of the four. Raw nats-py: ``ObjectStore.put`` of the float32 version's
-files from memory and ``ObjectStore.get`` into memory, the same bytes; ``adapter_vs_raw`` is raw
+files from memory and ``ObjectStore.get`` with ``writeinto`` a file, the same bytes; ``adapter_vs_raw`` is raw
 (put + get) seconds over adapter (publish + fetch) seconds of the float32 version, so above 1 means
 the adapter is faster.
 
-    python loadtests/weights.py [--quick] [--json out.json] [--nats URL] [--model-dir DIR]
+    python loadtests/weights.py [--quick] [--json out.json] [--nats URL] [--model-dir DIR] [--rounds N]
+
+Every path runs ``--rounds`` times (3; 1 with --quick), the adapter and raw nats-py taking turns going
+first; the figures are medians.
 
 The model is ``--model-dir`` (default: ROLLOUT_MODEL_DIR, else the prepared SmolLM2-135M-Instruct of
 the model cache); ``--quick`` uses a small synthetic model (~17 MB in float32) instead. With no
@@ -27,6 +30,8 @@ import contextlib
 import gc
 import json
 import os
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -69,7 +74,7 @@ async def sync_one_version(nats: Nats, names: Names, manifests: AsyncIterator[We
     ``manifests`` is the subscriber's watch, open since before the first publication (as an inference
     actor's is), so fetch time runs from the end of the publication to the files on disk.
     """
-    out_dir = work / f"write-{dtype}"
+    out_dir = work / f"write-v{version}"
     out_dir.mkdir()
     t0 = time.perf_counter()
     files = await anyio.to_thread.run_sync(save_weights, learner_model, out_dir, dtype)
@@ -86,14 +91,32 @@ async def sync_one_version(nats: Nats, names: Names, manifests: AsyncIterator[We
     t0 = time.perf_counter()
     await engine.update_weights_from_disk(str(vdir), weight_version=str(version))
     t_apply = time.perf_counter() - t0
+    shutil.rmtree(out_dir)
+    shutil.rmtree(vdir)  # a few versions of a real model would fill a small disk
     assert manifest.wire_dtype == dtype, manifest.wire_dtype
     size = sum(o["size"] for o in manifest.objects)
+    print(f"{dtype}: {size / 1e6:.1f} MB, write {t_write:.2f} s, publish {t_publish:.2f} s, fetch {t_fetch:.2f} s, "
+          f"apply {t_apply:.2f} s", flush=True)
     return {"bytes": size, "write_s": t_write, "publish_s": t_publish, "fetch_s": t_fetch, "apply_s": t_apply,
-            "sync_s": t_write + t_publish + t_fetch + t_apply, "files": files}
+            "sync_s": t_write + t_publish + t_fetch + t_apply}
 
 
-async def raw_put_get(nats: Nats, files: list[Path]) -> tuple[float, float, int]:
-    """nats-py's own ObjectStore.put (from memory) and .get (into memory) of ``files``; (put_s, get_s, bytes)."""
+def fp32_files(model, work: Path) -> list[Path]:
+    """The float32 version's files, as the learner writes them (written once, for the raw path)."""
+    out_dir = work / "raw-source"
+    if not out_dir.is_dir():
+        out_dir.mkdir()
+        save_weights(model, out_dir, "float32")
+    return sorted(p for p in out_dir.iterdir() if p.is_file())
+
+
+async def raw_put_get(nats: Nats, files: list[Path], work: Path) -> tuple[float, float, int]:
+    """nats-py's own ObjectStore.put (from memory) and .get (``writeinto`` a file) of ``files``;
+    returns (put_s, get_s, bytes).
+
+    ``writeinto``, not nats-py's default get into memory: that one grows the object with ``bytes +=``
+    per 128 KiB chunk, quadratic in the size (a 538 MB object did not arrive in 15 minutes here).
+    """
     store = await nats.object_store(f"raw-{uuid.uuid4().hex[:6]}")  # made before anything is timed
     put_s = get_s = 0.0
     size = 0
@@ -103,11 +126,15 @@ async def raw_put_get(nats: Nats, files: list[Path]) -> tuple[float, float, int]
         t0 = time.perf_counter()
         await store.put(f.name, data)
         put_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        got = await store.get(f.name)
-        get_s += time.perf_counter() - t0
-        assert got.data == data, f"raw get of {f.name} returned other bytes"
-        del data, got
+        copy = work / f"raw-{f.name}"
+        with open(copy, "wb") as sink:
+            t0 = time.perf_counter()
+            await store.get(f.name, writeinto=sink)
+            get_s += time.perf_counter() - t0
+        assert copy.read_bytes() == data, f"raw get of {f.name} returned other bytes"
+        copy.unlink()
+        print(f"raw nats-py {f.name}: {len(data) / 1e6:.1f} MB, put {put_s:.2f} s, get {get_s:.2f} s (so far)", flush=True)
+        del data
         await store.delete(f.name)
         gc.collect()
     return put_s, get_s, size
@@ -151,13 +178,28 @@ async def main_async(args: argparse.Namespace) -> dict:
                     await nats.kv(names.bucket("control"))
                     sub = WeightSubscriber(nats, names, work / "fetched", timeout_s=600)
                     async with contextlib.aclosing(sub.manifests()) as manifests:
-                        fp32 = await sync_one_version(nats, names, manifests, sub, learner_model, engine, 1,
-                                                      "float32", work)
-                        put_s, get_s, raw_bytes = await raw_put_get(nats, [Path(f) for f in fp32["files"]])
-                        bf16 = await sync_one_version(nats, names, manifests, sub, learner_model, engine, 2,
-                                                      "bfloat16", work)
+                        # rounds alternate which path goes first, so neither always meets a warm server;
+                        # each figure is the median over the rounds
+                        fp32s, bf16s, raws = [], [], []
+                        for r in range(args.rounds):
+                            async def adapter() -> None:
+                                fp32s.append(await sync_one_version(nats, names, manifests, sub, learner_model,
+                                                                    engine, 2 * r + 1, "float32", work))
+
+                            async def raw() -> None:
+                                raws.append(await raw_put_get(nats, fp32_files(learner_model, work), work))
+
+                            for path in ((adapter, raw) if r % 2 == 0 else (raw, adapter)):
+                                await path()
+                            bf16s.append(await sync_one_version(nats, names, manifests, sub, learner_model, engine,
+                                                                2 * r + 2, "bfloat16", work))
         finally:
             await engine.aclose()
+    fp32 = {k: statistics.median(x[k] for x in fp32s) for k in fp32s[0]}
+    bf16 = {k: statistics.median(x[k] for x in bf16s) for k in bf16s[0]}
+    put_s, get_s = statistics.median(x[0] for x in raws), statistics.median(x[1] for x in raws)
+    raw_bytes = raws[0][2]
+    out["rounds"] = args.rounds
     assert raw_bytes == fp32["bytes"]
     rows = []
     for name, r in (("float32", fp32), ("bfloat16", bf16)):
@@ -203,8 +245,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a small synthetic model: a smoke run under a minute")
     p.add_argument("--json", help="write the figures as one flat JSON object")
     p.add_argument("--nats", default=os.environ.get("ROLLOUT_NATS_URL"))
+    p.add_argument("--rounds", type=int, default=None, help="rounds of every path (default 3, 1 with --quick)")
     p.add_argument("--model-dir", help="HF model directory (default: ROLLOUT_MODEL_DIR or the model cache)")
     args = p.parse_args()
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     out = anyio.run(main_async, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
