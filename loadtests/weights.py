@@ -31,6 +31,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -248,6 +249,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=None, help="rounds of every path (default 3, 1 with --quick)")
     p.add_argument("--model-dir", help="HF model directory (default: ROLLOUT_MODEL_DIR or the model cache)")
     args = p.parse_args()
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # `timeout` and `kill` send SIGTERM: as KeyboardInterrupt it unwinds, so the private nats-server is
+    # stopped and the temporary directories (a GB or more with a real model) are removed
+    signal.signal(signal.SIGTERM, interrupt)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     out = anyio.run(main_async, args)
