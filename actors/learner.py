@@ -42,7 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
 from actors.learner_core import Learner, StepReport, Verdict
-from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
+from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.schemas import Experience
@@ -66,6 +66,27 @@ class _Offered:
     sample_id: str
     verdict: Verdict
     at_ns: int
+
+
+def save_weights(model: PreTrainedModel, out_dir: Path, dtype: str = "float32") -> list[str | Path]:
+    """Write ``model`` as a Hugging Face directory for publication, floating tensors in ``dtype``.
+
+    Tensors that share storage (tied embeddings) are converted once and stay shared, so
+    ``save_pretrained`` still writes them once. Returns the files written, sorted.
+    """
+    wire = getattr(torch, dtype)
+    if all(p.dtype == wire for p in model.state_dict().values() if p.is_floating_point()):
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        converted: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+        state = {}
+        for name, t in model.state_dict().items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key not in converted:
+                converted[key] = t.detach().to(wire) if t.is_floating_point() else t
+            state[name] = converted[key]
+        model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
+    return sorted(p for p in out_dir.iterdir() if p.is_file())
 
 
 class LearnerActor(Actor):
@@ -209,9 +230,8 @@ class LearnerActor(Actor):
         assert tokenizer is not None
         with tempfile.TemporaryDirectory(prefix="rollout-weights-") as tmp:
             # the whole HF directory (config, safetensors, tokenizer): what SGLang's /update_weights_from_disk
-            # and a fresh `--model-path` load (streams/weights.py: check_hf_dir)
-            await anyio.to_thread.run_sync(lambda: self._save_pretrained(tmp, tokenizer))
-            files: list[str | Path] = sorted(p for p in Path(tmp).iterdir() if p.is_file())
+            # and a fresh `--model-path` load (streams/weights.py: check_hf_dir); tensors in learner.publish_dtype
+            files = await anyio.to_thread.run_sync(lambda: self._save_pretrained(tmp, tokenizer))
             await self.publisher.publish(learner.version, files, step=learner.step_count)
         self.published_version = learner.version
 
@@ -220,10 +240,12 @@ class LearnerActor(Actor):
         learner, tokenizer = self.learner, self.tokenizer
         self.last_checkpoint = await anyio.to_thread.run_sync(lambda: self._save_checkpoint(learner, tokenizer))
 
-    def _save_pretrained(self, path: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    def _save_pretrained(self, path: str, tokenizer: PreTrainedTokenizerBase) -> list[str | Path]:
         assert self.learner is not None
         with self.learner.export_model() as model:  # LoRA adapters merged into the published weights
-            save_model_dir(model, tokenizer, path)
+            save_weights(model, Path(path), self.cfg.publish_dtype)
+        tokenizer.save_pretrained(path)
+        return sorted(p for p in Path(path).iterdir() if p.is_file())
 
     def _save_checkpoint(self, learner: Learner, tokenizer: PreTrainedTokenizerBase) -> Path:
         with learner.export_model() as model:

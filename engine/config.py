@@ -230,6 +230,10 @@ class LearnerConfig(Section):
     """PPO clip range for `decoupled_ppo`."""
     publish_every: int = Field(1, ge=1)
     """Publish weights every k optimizer steps."""
+    publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the floating tensors written for a weight publication (the wire format). ``bfloat16``
+    halves what goes through NATS; servers cast to the dtype they serve in when they load it, so a
+    float32 server then runs on bf16-rounded weights."""
     checkpoint_every: int = Field(5, ge=1)
     """Checkpoint model, optimizer and offsets every k steps."""
     checkpoint_dir: str = "runs/checkpoints"

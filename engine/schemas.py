@@ -463,6 +463,9 @@ class WeightManifest(Message):
     tensors: dict[str, Any]
     step: int = 0
     format: str = "safetensors"
+    wire_dtype: str = "float32"
+    """Dtype of the floating tensors as stored (``float32``, ``bfloat16``, ...; ``mixed`` if several);
+    a server casts them to the dtype it serves in."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""A private Kafka broker and nats-server on free ports for a load test, stopped by pid at the end."""
+"""A private Kafka broker and/or nats-server on free ports for a load test, stopped by pid at the end."""
 
 from __future__ import annotations
 
@@ -26,3 +26,17 @@ def private_stack() -> Iterator[tuple[str, str]]:
         finally:
             for s in services:
                 s.stop()
+
+
+@contextlib.contextmanager
+def private_nats() -> Iterator[str]:
+    """A nats-server alone (JetStream on a temporary directory); yields its URL."""
+    with tempfile.TemporaryDirectory(prefix="rollout-loadtest-") as tmp:
+        cfg = InfraConfig.from_env(state_dir=Path(tmp), nats_port=free_port())
+        server = NatsServer(cfg)
+        try:
+            server.start()
+            server.wait_ready()
+            yield cfg.nats_url
+        finally:
+            server.stop()

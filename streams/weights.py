@@ -18,6 +18,7 @@ user of the weights can name a bucket the rest of the deployment does not use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
@@ -78,6 +79,19 @@ def safetensors_header(path: str | Path) -> dict[str, Any]:
     return {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items()}
 
 
+SAFETENSORS_FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+"""safetensors header dtype -> torch dtype name, for the floating dtypes."""
+
+
+def wire_dtype(tensors: dict[str, Any]) -> str:
+    """The one floating dtype of a tensor table (``mixed`` if several; ``float32`` if there are none)."""
+    found = {SAFETENSORS_FLOAT_DTYPES[t["dtype"]] for t in tensors.values() if t["dtype"] in SAFETENSORS_FLOAT_DTYPES}
+    if len(found) > 1:
+        return "mixed"
+    return found.pop() if found else "float32"
+
+
 class WeightPublisher:
     def __init__(self, nats: Nats, names: Names, producer: str = "learner") -> None:
         self.nats = nats
@@ -87,7 +101,11 @@ class WeightPublisher:
         self.kv_bucket = names.bucket(nats.cfg.kv_bucket)
 
     async def publish(self, version: int, files: list[str | Path], step: int = 0, keep: int = 3) -> WeightManifest:
-        """Store ``files`` (a model directory's files, flat) as version ``version``, then announce it."""
+        """Store ``files`` (a model directory's files, flat) as version ``version``, then announce it.
+
+        The files go as they are: their tensors' dtype is the wire dtype (``learner.publish_dtype`` decides
+        it when the learner writes them), recorded in the manifest as ``wire_dtype``.
+        """
         objects = []
         tensors: dict[str, Any] = {}
         for path in files:
@@ -96,7 +114,8 @@ class WeightPublisher:
             objects.append(await self.nats.put_file(self.bucket, name, path))
             if path.suffix == ".safetensors":
                 tensors.update(safetensors_header(path))
-        manifest = WeightManifest(version=version, objects=objects, tensors=tensors, step=step)
+        manifest = WeightManifest(version=version, objects=objects, tensors=tensors, step=step,
+                                  wire_dtype=wire_dtype(tensors))
         value, _ = encode(manifest, producer=self.producer)
         await self.nats.kv_put(self.kv_bucket, Names.WEIGHTS_KEY, value)
         if keep and version - keep >= 0:
@@ -133,10 +152,13 @@ class WeightSubscriber:
         self.kv_bucket = names.bucket(nats.cfg.kv_bucket)
 
     async def manifests(self) -> AsyncIterator[WeightManifest]:
-        async for raw in self.nats.kv_watch(self.kv_bucket, Names.WEIGHTS_KEY):
-            m = _manifest(raw)
-            if m is not None:
-                yield m
+        # closed with this generator, not whenever the garbage collector finds it (by then the connection
+        # may be draining, and stopping the watch fails in a task nobody awaits)
+        async with contextlib.aclosing(self.nats.kv_watch(self.kv_bucket, Names.WEIGHTS_KEY)) as updates:
+            async for raw in updates:
+                m = _manifest(raw)
+                if m is not None:
+                    yield m
 
     async def fetch(self, manifest: WeightManifest) -> Path:
         """Download every object of ``manifest``; returns the version's directory.

@@ -299,6 +299,15 @@ class LocalEngine:
                 f"checkpoint at {model_path} does not fit the served model: missing={missing[:5]} "
                 f"unexpected={unexpected[:5]} wrong_shape={wrong[:5]}"
             )
+        # A checkpoint may come in another dtype than the one served (bf16 on the wire, learner.publish_dtype):
+        # cast it before the swap, outside the step lock; each tensor read is freed once replaced by its cast.
+        def cast() -> None:
+            for name, t in state.items():
+                want = expected[name].dtype
+                if t.dtype != want and t.is_floating_point() and want.is_floating_point:
+                    state[name] = t.to(want)
+
+        await anyio.to_thread.run_sync(cast)
         if abort_all:
             self.abort_all("Aborted by a weight update (abort_all_requests).")
         async with self._step_lock:
