@@ -180,6 +180,9 @@ class LearnerConfig(Section):
     torch_threads: int = Field(1, ge=0)
     """Intra-op threads of the learner's torch (0: torch's default). On small hosts shared with the
     inference server, one thread avoids oversubscription that makes every step several times slower."""
+    export_dir: str | None = None
+    """When set, the learner saves its final weights there as a Hugging Face directory (model and
+    tokenizer, loadable with ``from_pretrained``) when it stops (drain or ``max_steps``)."""
 
 
 class TelemetryConfig(Section):
