@@ -205,3 +205,44 @@ def test_the_tree_rss_counts_children():
         assert learning.tree_rss_bytes(os.getpid()) > own
     finally:
         child.communicate(b"")
+
+
+def test_a_stack_that_cannot_start_stops_the_run_before_any_system(model_dir, tmp_path, monkeypatch, capsys):
+    import contextlib
+
+    from loadtests import _infra
+    from ops.infra import InfraError
+
+    @contextlib.contextmanager
+    def broken():
+        raise InfraError("kafka did not answer on 127.0.0.1:1 within 60s\nlog tail ...")
+        yield
+
+    monkeypatch.setattr(_infra, "private_stack", broken)
+    for name in ("run_engine", "run_minimal", "run_trl", "evaluate"):
+        monkeypatch.setattr(learning, name, lambda *a, **k: pytest.fail("ran despite a stack that cannot start"))
+    monkeypatch.delenv("ROLLOUT_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.delenv("ROLLOUT_NATS_URL", raising=False)
+    assert learning.main(args_for(model_dir, "--only", "engine", "--json", str(tmp_path / "x.json"))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["learning.py: the Kafka/NATS stack cannot start: kafka did not answer on 127.0.0.1:1 within 60s"]
+
+
+def test_a_crashing_system_is_reported_and_the_others_still_run(model_dir, tmp_path, monkeypatch, capsys):
+    def crash(plan):
+        raise RuntimeError("boom")
+
+    def fine(plan):
+        return learning.SystemResult("trl", status="ok", steps=1, samples_trained=64, seconds=10.0,
+                                     curve=[(10.0, 0.5)])
+
+    monkeypatch.setattr(learning, "run_minimal", crash)
+    monkeypatch.setattr(learning, "run_trl", fine)
+    monkeypatch.setattr(learning, "evaluate", lambda plan, results, n: None)
+    out = tmp_path / "out.json"
+    assert learning.main(args_for(model_dir, "--only", "minimal,trl", "--minimal", __file__, "--json", str(out))) == 0
+    systems = json.loads(out.read_text())["systems"]
+    assert systems["minimal"]["status"] == "failed" and systems["minimal"]["error"] == "RuntimeError: boom"
+    assert systems["trl"]["status"] == "ok" and systems["trl"]["steps"] == 1
+    assert (tmp_path / "out.png").exists()
+    assert "RuntimeError: boom" in capsys.readouterr().out
