@@ -268,6 +268,8 @@ class ChildRun:
     lines: list[tuple[float, str]]
     """(seconds since spawn, line) of its stdout."""
     stderr_tail: str
+    killed: bool = False
+    """Still running at ``hard_limit`` and killed."""
 
 
 def run_child(cmd: list[str], *, log_dir: Path, name: str, stop_after: float | None, hard_limit: float,
@@ -283,7 +285,7 @@ def run_child(cmd: list[str], *, log_dir: Path, name: str, stop_after: float | N
                                 start_new_session=True, env=env)
         reader = threading.Thread(target=_read_lines, args=(proc.stdout, started, lines, out_log), daemon=True)
         reader.start()
-        peak, termed = 0, False
+        peak, termed, killed = 0, False, False
         try:
             while proc.poll() is None:
                 peak = max(peak, tree_rss_bytes(proc.pid))
@@ -292,16 +294,15 @@ def run_child(cmd: list[str], *, log_dir: Path, name: str, stop_after: float | N
                     proc.send_signal(signal.SIGTERM)
                     termed = True
                 if elapsed >= hard_limit:
-                    _kill_group(proc)
+                    killed = True
                     break
                 time.sleep(RSS_INTERVAL_S)
         finally:
-            if proc.poll() is None:
-                _kill_group(proc)
+            _kill_group(proc)  # it, or whatever of its session outlived it
             proc.wait()
             wall = time.monotonic() - started
             reader.join(timeout=10)
-    return ChildRun(proc.returncode, wall, peak, lines, _tail(err_path))
+    return ChildRun(proc.returncode, wall, peak, lines, _tail(err_path), killed)
 
 
 def _read_lines(stream: TextIO, started: float, lines: list[tuple[float, str]], log: TextIO) -> None:
@@ -314,7 +315,7 @@ def _read_lines(stream: TextIO, started: float, lines: list[tuple[float, str]], 
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the group this run created (start_new_session), nothing else
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -362,7 +363,8 @@ def finish(result: SystemResult, run: ChildRun, *, ok_codes: tuple[int, ...] = (
         result.status = "ok"
     else:
         result.status = "failed"
-        result.error = last_error_line(run.stderr_tail, run.returncode)
+        result.error = (f"killed: still running {run.wall_seconds:.0f}s after it started" if run.killed
+                        else last_error_line(run.stderr_tail, run.returncode))
 
 
 # -- the systems -------------------------------------------------------------------------------------
