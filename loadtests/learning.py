@@ -154,6 +154,7 @@ def plot(results: dict[str, SystemResult], path: Path, seconds: float) -> None:
     ax.axvline(seconds, color="grey", linestyle=":", label="budget")
     ax.set_xlabel("seconds since the system's process started")
     ax.set_ylabel("training reward (batch mean)")
+    ax.set_xlim(left=0)
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("Learning benchmark: training reward vs wall clock")
     ax.legend()
