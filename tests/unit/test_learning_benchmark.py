@@ -246,3 +246,46 @@ def test_a_crashing_system_is_reported_and_the_others_still_run(model_dir, tmp_p
     assert systems["trl"]["status"] == "ok" and systems["trl"]["steps"] == 1
     assert (tmp_path / "out.png").exists()
     assert "RuntimeError: boom" in capsys.readouterr().out
+
+
+FAKE_LOOP = '''
+import argparse, json, torch
+from transformers import AutoModelForCausalLM
+ap = argparse.ArgumentParser()
+ap.add_argument("model_dir")
+ap.add_argument("--seconds", type=float)
+ap.add_argument("--json")
+args = ap.parse_args()
+model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+print(json.dumps({"step": 1, "t": 0, "train_reward": 0.5}), flush=True)
+with open(args.json, "w") as f:
+    json.dump({"seconds": args.seconds}, f)
+'''
+
+
+def test_the_minimal_runner_saves_the_model_the_loop_trained(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    from actors.llm import load_model_dir, write_tiny_model_dir
+
+    base = write_tiny_model_dir(tmp_path / "base", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                num_kv_heads=1)
+    loop = tmp_path / "loop.py"
+    loop.write_text(FAKE_LOOP)
+    save = tmp_path / "saved"
+    proc = subprocess.run([sys.executable, str(learning.ROOT / "loadtests" / "_minimal_runner.py"), str(loop), str(base),
+                           "12", str(save)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"step": 1, "t": 0, "train_reward": 0.5}
+    assert json.loads((save / "result.json").read_text()) == {"seconds": 12.0}  # the loop got its arguments
+    trained, _ = load_model_dir(save)
+    initial, _ = load_model_dir(base)
+    for (name, p), q in zip(trained.state_dict().items(), initial.state_dict().values()):
+        assert torch.allclose(p, q + 1.0), name
+    assert (save / "tokenizer.json").is_file()
