@@ -18,6 +18,12 @@
   resumed at) and, per step, one line per folded sample (``sample_id``, ``verdict``, ``step``,
   ``version``), flushed before that step's publication and checkpoint. A life's lines past its last
   checkpoint are superseded by the next life's ``start`` line (``ops/ledger.py`` rebuilds the lineage).
+- Step log: ``<checkpoint_dir>/<namespace>/steps.jsonl`` gets one line per step: ``step``, ``t`` (seconds
+  since this learner actor was made), ``wall`` (Unix time), ``version``, ``trained``, ``reward_trained``
+  (mean reward of the trained samples), ``reward_all`` (mean reward of every sample folded into the step,
+  trained and filtered: what a synchronous loop would call its batch reward) and the step's metrics.
+- ``learner.export_dir``: when set, the final weights (model and tokenizer) are saved there as a Hugging
+  Face directory when the learner stops (drain or ``max_steps``), after the final checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import tempfile
 import uuid
 import time
@@ -42,7 +49,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
 from actors.learner_core import Learner, StepReport, Verdict
-from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
+from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.schemas import Experience
@@ -56,6 +63,8 @@ StepHook = Callable[[StepReport], None]
 
 AUDIT_LOG = "audit.jsonl"
 """File, in the learner's checkpoint directory, of the per-step sample audit (see the module docstring)."""
+STEP_LOG = "steps.jsonl"
+"""File, in the learner's checkpoint directory, of one JSON line per step (see the module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,6 +75,7 @@ class _Offered:
     sample_id: str
     verdict: Verdict
     at_ns: int
+    reward: float
 
 
 def save_weights(model: PreTrainedModel, out_dir: Path, dtype: str = "float32") -> list[str | Path]:
@@ -113,7 +123,9 @@ class LearnerActor(Actor):
         self._offered: list[_Offered] = []
         self._status_never_trained = 0
         self.audit_path = self.store.root / AUDIT_LOG
+        self.steps_path = self.store.root / STEP_LOG
         self._life = uuid.uuid4().hex[:12]
+        self._made = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -142,13 +154,16 @@ class LearnerActor(Actor):
                 exp = record.message
                 assert isinstance(exp, Experience)  # the consumer dead-letters every other schema
                 verdict = learner.offer(exp, (record.topic, record.partition), record.offset)
-                self._offered.append(_Offered(record.traceparent, exp.sample_id, verdict, time.time_ns()))
+                self._offered.append(_Offered(record.traceparent, exp.sample_id, verdict, time.time_ns(),
+                                              float(exp.reward)))
                 record.ack()
                 if learner.ready:
                     await self._step()
             if learner.never_trained != self._status_never_trained:
                 await self._put_status()  # admission control counts pending filtered samples too
         await self._checkpoint()
+        if self.cfg.export_dir:
+            await anyio.to_thread.run_sync(self._export, Path(self.cfg.export_dir))
 
     async def teardown(self) -> None:
         if self.consumer is not None:
@@ -172,6 +187,7 @@ class LearnerActor(Actor):
                 raise
             self.last_metrics = report.metrics
             await anyio.to_thread.run_sync(self._audit_step, report)
+            await anyio.to_thread.run_sync(self._log_step, report, offered)
             if report.publish:
                 await self._publish()
             if report.step % self.cfg.checkpoint_every == 0:
@@ -215,6 +231,30 @@ class LearnerActor(Actor):
         rows.append({"event": "step", "life": self._life, "step": report.step, "version": report.version,
                      "samples": len(rows), "duplicates": report.duplicates})
         self._audit(rows)
+
+    def _log_step(self, report: StepReport, offered: list[_Offered]) -> None:
+        """Append the step's line to ``steps.jsonl`` (see the module docstring)."""
+        trained = [o.reward for o in offered if o.verdict == "train"]
+        folded = [o.reward for o in offered if o.verdict in ("train", "filtered")]
+        row = {"step": report.step, "t": round(time.monotonic() - self._made, 3), "wall": round(time.time(), 3),
+               "version": report.version, "trained": len(report.trained),
+               "reward_trained": sum(trained) / len(trained) if trained else None,
+               "reward_all": sum(folded) / len(folded) if folded else None, **report.metrics}
+        self.steps_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.steps_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _export(self, out: Path) -> None:
+        """Save the final weights and tokenizer as a Hugging Face directory at ``out`` (replaced whole)."""
+        assert self.learner is not None and self.tokenizer is not None
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model_dir(self.learner.model, self.tokenizer, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        log.info("%s: exported step %d (version %d) to %s", self.name, self.learner.step_count,
+                 self.learner.version, out)
 
     def _audit(self, rows: list[dict[str, Any]]) -> None:
         """Append ``rows`` to the audit log, durably (before the step's checkpoint can exist)."""

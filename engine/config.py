@@ -266,6 +266,9 @@ class LearnerConfig(Section):
     adapters are merged into published weights and checkpoints."""
     lora_alpha: float = Field(16.0, gt=0)
     """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank."""
+    export_dir: str | None = None
+    """When set, the learner saves its final weights there as a Hugging Face directory (model and
+    tokenizer, loadable with ``from_pretrained``) when it stops (drain or ``max_steps``)."""
 
 
 class TelemetryConfig(Section):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 
 from actors.learner import LearnerActor
 from actors.learner_core import StepReport
-from actors.llm import write_tiny_model_dir
+from actors.llm import load_model_dir, write_tiny_model_dir
 from actors.runtime import Runtime
 from engine.config import EngineConfig, KafkaConfig, LearnerConfig, NatsConfig, SchedulerConfig
 from engine.schemas import Experience
@@ -341,3 +342,30 @@ async def test_the_learner_and_weight_watchers_use_the_configured_buckets(
     assert (vdir / "model.safetensors").is_file()
     assert stray_status is None and stray_manifest is None
 
+# -- step log and export -----------------------------------------------------------------------------
+
+async def test_the_step_log_has_each_steps_rewards_and_the_final_weights_are_exported(
+        kafka_bootstrap, nats_url, unique_name, tmp_path, model_dir):
+    export = tmp_path / "export"
+    cfg = make_cfg(kafka_bootstrap, nats_url, unique_name, tmp_path, max_staleness=1000, max_steps=2,
+                   export_dir=str(export))
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    async with Runtime(cfg) as rt:
+        batch = [dataclasses.replace(experience("f0", [0] * 4, filtered="zero_variance"), reward=0.0)]
+        batch += [dataclasses.replace(experience(f"s{i}", [0] * 4), reward=r) for i, r in enumerate(rewards)]
+        for exp in batch:  # one partition: the filtered record is folded into the first step
+            await rt.producer.send(rt.names.experience, exp, key=exp.task_id, partition=0)
+        actor = LearnerActor(rt, model_dir)
+        with anyio.fail_after(120):
+            await actor.run()  # returns at max_steps, then exports
+
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / unique_name / "steps.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["version"], r["trained"]) for r in rows] == [(1, 0, 4), (2, 1, 4)]
+    assert rows[0]["reward_trained"] == 0.25 and rows[0]["reward_all"] == 0.2  # 1 of 4 trained; 1 of 5 folded
+    assert rows[1]["reward_trained"] == 0.75 and rows[1]["reward_all"] == 0.75
+    assert 0 <= rows[0]["t"] <= rows[1]["t"] and rows[0]["wall"] <= rows[1]["wall"]
+    assert "loss" in rows[0] and "grad_norm" in rows[1]
+    model, _ = load_model_dir(export)
+    trained = actor.learner.model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    assert not list(tmp_path.glob(".export.tmp-*"))

@@ -1,0 +1,88 @@
+"""TRL's ``GRPOTrainer`` on the learning benchmark's task, for a wall-clock budget; saves the final model.
+
+``python loadtests/_trl_runner.py MODEL_DIR SECONDS SAVE_DIR``. The plain loop's task and reward
+(``loadtests/_learning_task.py``) and geometry: 8 prompts x 8 generations per optimizer step
+(micro-batches of 16 completions, 4 accumulated), lr 5e-6 constant, 8 new tokens, temperature 1,
+gradient checkpointing, TRL's default loss. The budget starts once the model is loaded (as the plain
+loop's does) and is checked at the end of every step (a ``TrainerCallback``), so at least one step
+runs. Prints one JSON line per step, ``{"step", "t", "train_reward"}``, and saves model and tokenizer
+into SAVE_DIR. Exits 3 when ``trl`` is not importable.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtests._learning_task import first_number_right, task  # noqa: E402
+
+NOT_INSTALLED = 3
+TRAIN_TASKS = 20000
+
+
+def main(argv: list[str]) -> int:
+    model_dir, seconds, save_dir = argv[0], float(argv[1]), Path(argv[2])
+    try:
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as exc:
+        print(f"trl not installed: {exc}", file=sys.stderr)
+        return NOT_INSTALLED
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    torch.manual_seed(0)
+    rng = random.Random(1)  # the plain loop's training stream
+    rows = []
+    for _ in range(TRAIN_TASKS):
+        q, a = task(rng)
+        rows.append({"prompt": [{"role": "user", "content": q}], "answer": a})
+
+    def reward(completions: list, answer: list, **_: object) -> list[float]:
+        return [first_number_right(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    t0 = time.monotonic()
+
+    class Budget(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            if time.monotonic() - t0 >= seconds:
+                control.should_training_stop = True
+            return control
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+            if logs and "reward" in logs:
+                print(json.dumps({"step": state.global_step, "t": round(time.monotonic() - t0, 1),
+                                  "train_reward": round(float(logs["reward"]), 3)}), flush=True)
+
+    scratch = tempfile.mkdtemp(prefix="rollout-trl-")  # the trainer's output_dir; nothing is saved there
+    cfg = GRPOConfig(
+        output_dir=scratch, per_device_train_batch_size=16, gradient_accumulation_steps=4,
+        num_generations=8, max_completion_length=8, temperature=1.0, learning_rate=5e-6,
+        lr_scheduler_type="constant", gradient_checkpointing=True, max_steps=10 ** 6, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=True, seed=0, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
+                          processing_class=tok, callbacks=[Budget()])
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    trainer.save_model(str(save_dir))
+    tok.save_pretrained(str(save_dir))
+    print(json.dumps({"steps": trainer.state.global_step, "seconds": round(time.monotonic() - t0, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
