@@ -433,15 +433,27 @@ url = {q(plan.nats_url)}
 [scheduler]
 domains = {{ {domain} = 1.0 }}
 group_size = 8
+max_staleness = 1
+curriculum = false
+rebalance = false
 
 [inference]
 model_dir = {q(plan.model_dir)}
 max_new_tokens = 8
 temperature = 1.0
+concurrency = 64
+max_batch = 64
+stream_interval = 8
+
+[reward]
+drop_zero_variance = true
+normalize = "group_std"
 
 [learner]
 batch_size = {plan.engine_batch}
 lr = 5e-6
+objective = "decoupled_ppo"
+torch_threads = 1
 publish_every = 1
 checkpoint_every = 1000000
 checkpoint_dir = {q(str(plan.work / "engine-checkpoints"))}

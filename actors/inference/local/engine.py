@@ -366,7 +366,8 @@ class LocalEngine:
         decode: list[Sequence] = []
         budget = self.chunk_size
         for seq in self._running:
-            if seq.cached == 0 and len(seq.prompt_ids) > 1:
+            # still holding only copied tokens (none computed itself): look for a longer shared prefix
+            if seq.cached == seq.cached_tokens and seq.cached < len(seq.prompt_ids) - 1:
                 self._share_prefix(seq)
                 if len(seq.pending_ids()) > 1 and any(
                         _common_prefix(seq.prompt_ids, other.prompt_ids) > seq.cached + 8 for other, _ in prefill):
@@ -381,7 +382,7 @@ class LocalEngine:
         return prefill, decode
 
     def _share_prefix(self, seq: Sequence) -> None:
-        best, source = 0, None
+        best, source = seq.cached, None
         limit = len(seq.prompt_ids) - 1
         for other in self._running:
             if other is seq or other.cached <= best or other.slot is None:
