@@ -34,7 +34,9 @@ def real_model_dir() -> str:
 def test_quick_learning_benchmark_trains_every_system_and_scores_them(kafka_bootstrap: str, nats_url: str,
                                                                       tmp_path: Path) -> None:
     out = tmp_path / "learning.json"
+    # TRL is an optional extra (its row is tested by the unit tests); the suite runs the two that are always there
     proc = subprocess.run([sys.executable, str(ROOT / "loadtests" / "learning.py"), "--quick", "--eval-tasks", "8",
+                           "--only", "engine,minimal",
                            "--model-dir", real_model_dir(), "--bootstrap", kafka_bootstrap, "--nats", nats_url,
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -42,9 +44,8 @@ def test_quick_learning_benchmark_trains_every_system_and_scores_them(kafka_boot
     assert {"seconds_budget", "infra_seconds", "engine_over_minimal", "engine_over_trl", "eval_tasks", "png",
             "systems"} <= set(result)
     systems = result["systems"]
-    assert list(systems) == ["engine", "minimal", "trl"]
+    assert list(systems) == ["engine", "minimal"]
     assert systems["engine"]["status"] == "ok" and systems["minimal"]["status"] == "ok", proc.stdout[-3000:]
-    assert systems["trl"]["status"] in ("ok", "not installed"), systems["trl"]
     ran = {name: s for name, s in systems.items() if s["status"] == "ok"}
     for name, s in ran.items():
         assert s["steps"] >= 1 and s["samples_trained"] >= s["steps"], (name, s)
@@ -54,6 +55,6 @@ def test_quick_learning_benchmark_trains_every_system_and_scores_them(kafka_boot
     minimal_after = systems["minimal"]["heldout_after"]
     assert result["engine_over_minimal"] == (round(systems["engine"]["heldout_after"] / minimal_after, 3)
                                              if minimal_after else None)
-    assert (result["engine_over_trl"] is None) == ("trl" not in ran)
+    assert result["engine_over_trl"] is None
     assert Path(result["png"]).read_bytes()[:4] == b"\x89PNG"
     assert "held-out before" in proc.stdout and "engine_over_minimal" in proc.stdout

@@ -109,3 +109,25 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log() -> None:
     lines.close()
     assert "\r" not in log.getvalue()
     assert log.getvalue().splitlines() == ["[##......................] first", "[#####...................] second"]
+
+
+def test_the_learning_benchmark_runs_the_demos_engine_setup(tmp_path: Path) -> None:
+    import tomllib
+
+    from loadtests import learning
+    from ops.demo import RealPlan, real_config
+
+    plan = learning.Plan(model_dir=str(tmp_path), seconds=60, save_root=tmp_path, work=tmp_path, minimal="x",
+                         engine_batch=64, bootstrap="127.0.0.1:9092", nats_url="nats://127.0.0.1:4222")
+    from engine.config import EngineConfig
+
+    bench = EngineConfig.model_validate(tomllib.loads(learning.engine_config(plan, "ns", "math")))
+    ours = real_config("ns", "127.0.0.1:9092", "nats://127.0.0.1:4222", tmp_path, RealPlan())
+    assert bench.scheduler.model_dump(exclude={"seed"}) == ours.scheduler.model_dump(exclude={"seed"})
+    keep = {"max_new_tokens", "temperature", "concurrency", "max_batch", "stream_interval"}
+    assert bench.inference.model_dump(include=keep) == ours.inference.model_dump(include=keep)
+    assert (bench.reward.drop_zero_variance, bench.reward.normalize) == (ours.reward.drop_zero_variance,
+                                                                        ours.reward.normalize)
+    keep = {"batch_size", "lr", "objective", "publish_every", "torch_threads", "autocast", "publish_dtype",
+            "share_prefix", "micro_batch_tokens"}
+    assert bench.learner.model_dump(include=keep) == ours.learner.model_dump(include=keep)
