@@ -40,6 +40,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import ctypes
+import ctypes.util
+
 import anyio
 import torch
 from opentelemetry.context import Context
@@ -99,6 +102,26 @@ def save_weights(model: PreTrainedModel, out_dir: Path, dtype: str = "float32") 
     return sorted(p for p in out_dir.iterdir() if p.is_file())
 
 
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``; a no-op elsewhere).
+
+    A step allocates and frees gigabytes of activations and a publication a model-sized copy, from
+    worker threads that each get their own malloc arena; freed, that memory stays in the arenas (a
+    daemon training SmolLM2-135M held ~8 GB after 8 steps and ~12 GB after 26 without this).
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+_libc_name = ctypes.util.find_library("c")
+try:
+    _LIBC = ctypes.CDLL(_libc_name) if _libc_name else None
+    if _LIBC is not None and not hasattr(_LIBC, "malloc_trim"):
+        _LIBC = None
+except OSError:
+    _LIBC = None
+
+
 class LearnerActor(Actor):
     """Consumes experience, trains, publishes weights, checkpoints; see the module docstring."""
 
@@ -125,6 +148,7 @@ class LearnerActor(Actor):
         self.audit_path = self.store.root / AUDIT_LOG
         self.steps_path = self.store.root / STEP_LOG
         self._life = uuid.uuid4().hex[:12]
+        self._last_step_end = time.monotonic()
         self._made = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -180,19 +204,27 @@ class LearnerActor(Actor):
         assert self.learner is not None
         offered, self._offered = self._offered, []
         with tracing.tracer().start_as_current_span("learner.step", context=Context(), kind=SpanKind.INTERNAL) as span:
+            started = time.monotonic()
             try:
                 report = await anyio.to_thread.run_sync(self.learner.step)
             except BaseException:
                 self._offered = offered + self._offered  # still pending in the learner
                 raise
+            # where the learner's time goes: waiting for a batch, the optimizer step, the publication
+            report.metrics.update(wait_s=round(started - self._last_step_end, 3),
+                                  train_s=round(time.monotonic() - started, 3))
             self.last_metrics = report.metrics
             await anyio.to_thread.run_sync(self._audit_step, report)
-            await anyio.to_thread.run_sync(self._log_step, report, offered)
             if report.publish:
+                published = time.monotonic()
                 await self._publish()
+                report.metrics["publish_s"] = round(time.monotonic() - published, 3)
+            await anyio.to_thread.run_sync(self._log_step, report, offered)
             if report.step % self.cfg.checkpoint_every == 0:
                 await self._checkpoint()
             await self._put_status()
+            await anyio.to_thread.run_sync(release_free_memory)
+            self._last_step_end = time.monotonic()
             if span.is_recording():
                 self._trace_step(span, report, offered)
         log.info("%s: step %d (judged at v%d): trained %d, stale %d, filtered %d, dup %d, loss %.4f",

@@ -18,6 +18,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     _common(up)
     up.add_argument("--docker", action="store_true", help="also run a Docker engine (installs docker.io if missing)")
     up.add_argument("--bwrap", action="store_true", help="also check bubblewrap (installs it if missing)")
+    up.add_argument("--jaeger", action="store_true",
+                    help="also run a local Jaeger v2 for traces (built with Go on first use; prints the OTLP endpoint)")
+    up.add_argument("--jaeger-otlp-port", type=int, help="Jaeger's OTLP/HTTP port (env ROLLOUT_JAEGER_OTLP_PORT, default 4318)")
+    up.add_argument("--jaeger-port", type=int, help="Jaeger's UI/query port (env ROLLOUT_JAEGER_PORT, default 16686)")
     up.add_argument("--kafka-port", type=int, help="Kafka client port (env ROLLOUT_KAFKA_PORT, default 9092)")
     up.add_argument(
         "--kafka-controller-port", type=int, help="KRaft controller port (env ROLLOUT_KAFKA_CONTROLLER_PORT, default 9093)"
@@ -43,7 +47,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 RECORDED = "infra.json"
 """What ``up`` started with (ports, heap, socket), in the state dir: ``down`` and ``status`` of that
 state dir use it, so a stack started on other ports is still found."""
-_RECORDED_FIELDS = ("kafka_port", "kafka_controller_port", "nats_port", "kafka_heap", "docker_socket")
+_RECORDED_FIELDS = ("kafka_port", "kafka_controller_port", "nats_port", "kafka_heap", "docker_socket",
+                    "jaeger_otlp_port", "jaeger_port")
 
 
 def _config(args: argparse.Namespace) -> InfraConfig:
@@ -79,13 +84,16 @@ def _up(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         _record(config)
-        stack = Stack(config, docker=args.docker, bwrap=args.bwrap)
+        stack = Stack(config, docker=args.docker, bwrap=args.bwrap, jaeger=args.jaeger)
         rows = stack.up(log=lambda line: print(line, flush=True))
     except InfraError as exc:
         return _fail(exc)
     print(format_table(rows))
     if stack.docker:
         print(f"export DOCKER_HOST={stack.config.docker_host}")
+    if stack.jaeger:
+        print(f"export OTEL_EXPORTER_OTLP_ENDPOINT={stack.jaeger_server.otlp_endpoint}   "
+              f"# and telemetry.tracing = true; traces at {stack.jaeger_server.query_url}")
     return 0 if all(r.healthy for r in rows) else 1
 
 

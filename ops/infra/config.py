@@ -61,6 +61,10 @@ class InfraConfig(BaseModel):
     """Apache Kafka version; defaults to the one pinned in ops/infra/kafka/pom.xml."""
     nats_port: int = Field(default=4222, ge=1, le=65535)
     """nats-server client port on 127.0.0.1."""
+    jaeger_otlp_port: int = Field(default=4318, ge=1, le=65535)
+    """OTLP/HTTP receiver of the local Jaeger (``rollout infra up --jaeger``) on 127.0.0.1."""
+    jaeger_port: int = Field(default=16686, ge=1, le=65535)
+    """Jaeger's query API and UI on 127.0.0.1 (its query gRPC port is this minus one)."""
     docker_socket: Path = Path("/var/run/docker.sock")
     """Unix socket of the Docker engine; the default lets ``docker.from_env()`` work unconfigured."""
     docker_data_root: Path = Path("/var/lib/docker")
@@ -108,6 +112,8 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "state_dir": ("ROLLOUT_STATE_DIR",),
     "cache_dir": ("ROLLOUT_CACHE_DIR",),
     "kafka_port": ("ROLLOUT_KAFKA_PORT",),
+    "jaeger_otlp_port": ("ROLLOUT_JAEGER_OTLP_PORT",),
+    "jaeger_port": ("ROLLOUT_JAEGER_PORT",),
     "kafka_controller_port": ("ROLLOUT_KAFKA_CONTROLLER_PORT",),
     "kafka_heap": ("ROLLOUT_KAFKA_HEAP", "KAFKA_HEAP_OPTS"),
     "kafka_version": ("ROLLOUT_KAFKA_VERSION",),

@@ -17,6 +17,7 @@ from ops.infra.bwrap import bwrap_works, ensure_bwrap, find_bwrap
 from ops.infra.config import InfraConfig
 from ops.infra.docker_engine import DockerEngine, ensure_dockerd_installed
 from ops.infra.errors import InfraError
+from ops.infra.jaeger import JaegerServer
 from ops.infra.kafka_broker import KafkaBroker
 from ops.infra.nats_server import NatsServer
 from ops.infra.service import Service
@@ -24,7 +25,13 @@ from ops.infra.service import Service
 Log = Callable[[str], None]
 
 MANIFEST = "stack.json"
-SAVED_ADDRESSES = ("kafka_port", "kafka_controller_port", "nats_port", "docker_socket")
+SAVED_ADDRESSES = ("kafka_port", "kafka_controller_port", "nats_port", "docker_socket", "jaeger_otlp_port", "jaeger_port")
+
+
+def _jaeger(config: InfraConfig) -> JaegerServer:
+    """The local Jaeger v2 on the configured ports (OTLP/HTTP, query API and UI, query gRPC one below)."""
+    return JaegerServer(config, otlp_port=config.jaeger_otlp_port, query_port=config.jaeger_port,
+                        query_grpc_port=config.jaeger_port - 1)
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -47,27 +54,30 @@ class ServiceStatus:
 
 
 class Stack:
-    """Kafka and NATS always; the Docker engine and bubblewrap when asked for (or asked for before)."""
+    """Kafka and NATS always; the Docker engine, bubblewrap and Jaeger when asked for (or asked for before)."""
 
-    def __init__(self, config: InfraConfig, *, docker: bool = False, bwrap: bool = False) -> None:
+    def __init__(self, config: InfraConfig, *, docker: bool = False, bwrap: bool = False, jaeger: bool = False) -> None:
         saved = _read_manifest(config.state_dir / MANIFEST)
-        running = any(s(config).is_running() for s in (KafkaBroker, NatsServer, DockerEngine))
+        running = any(s(config).is_running() for s in (KafkaBroker, NatsServer, DockerEngine, _jaeger))
         if running and saved.get("addresses"):
             config = InfraConfig.model_validate({**config.model_dump(), **saved["addresses"]})
         self.config = config
         self.docker = docker or bool(saved.get("docker", False))
         self.bwrap = bwrap or bool(saved.get("bwrap", False))
+        self.jaeger = jaeger or bool(saved.get("jaeger", False))
         self.kafka = KafkaBroker(config)
         self.nats = NatsServer(config)
         self.docker_engine = DockerEngine(config)
+        self.jaeger_server = _jaeger(config)
 
     def _write_manifest(self) -> None:
         addresses = self.config.model_dump(mode="json", include=set(SAVED_ADDRESSES))
-        data = {"docker": self.docker, "bwrap": self.bwrap, "addresses": addresses}
+        data = {"docker": self.docker, "bwrap": self.bwrap, "jaeger": self.jaeger, "addresses": addresses}
         (self.config.state_dir / MANIFEST).write_text(json.dumps(data, indent=1))
 
     def services(self) -> list[Service]:
-        return [self.kafka, self.nats, *([self.docker_engine] if self.docker else [])]
+        return [self.kafka, self.nats, *([self.docker_engine] if self.docker else []),
+                *([self.jaeger_server] if self.jaeger else [])]
 
     def up(self, log: Log = print) -> list[ServiceStatus]:
         """Start whatever is not running yet and wait until every part answers."""
@@ -102,7 +112,7 @@ class Stack:
 
     def down(self, log: Log = print) -> None:
         """Stop, by pid file, every process this state dir started; leave everything else alone."""
-        for service in [self.kafka, self.nats, self.docker_engine]:
+        for service in [self.kafka, self.nats, self.docker_engine, self.jaeger_server]:
             pid = service.stop()
             if pid is not None:
                 log(f"{service.name}: stopped (pid {pid})")

@@ -174,3 +174,28 @@ def test_busy_port_gives_a_one_line_error_and_starts_nothing(tmp_path: Path) -> 
     assert result.returncode == 1
     assert result.stderr.strip() == f"rollout infra: port {port} is in use by another process; pass --kafka-port or stop it"
     assert not list(tmp_path.rglob("*.pid"))
+
+
+def test_cli_up_jaeger_prints_the_otlp_endpoint_and_down_stops_it(tmp_path: Path) -> None:
+    from ops.infra.jaeger import JaegerServer
+
+    state = tmp_path / "state"
+    ports = {"--kafka-port": free_port(), "--kafka-controller-port": free_port(), "--nats-port": free_port(),
+             "--jaeger-otlp-port": free_port(), "--jaeger-port": free_port()}
+    config = InfraConfig.from_env(state_dir=state, kafka_port=ports["--kafka-port"],
+                                  kafka_controller_port=ports["--kafka-controller-port"], nats_port=ports["--nats-port"])
+    jaeger = JaegerServer(config, otlp_port=ports["--jaeger-otlp-port"], query_port=ports["--jaeger-port"])
+    services = (KafkaBroker(config), NatsServer(config), jaeger)
+    try:
+        up = rollout("infra", "up", "--jaeger", "--state-dir", str(state), *(f"{k}={v}" for k, v in ports.items()))
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"export OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:{ports['--jaeger-otlp-port']}" in up.stdout
+        assert jaeger.pid() is not None and jaeger.is_healthy()
+        status = rollout("infra", "status", "--state-dir", str(state))  # remembers that jaeger was asked for
+        assert status.returncode == 0 and "jaeger" in status.stdout, status.stdout + status.stderr
+        down = rollout("infra", "down", "--state-dir", str(state))
+        assert down.returncode == 0 and "jaeger: stopped" in down.stdout, down.stdout + down.stderr
+        assert not jaeger.is_running()
+    finally:
+        for service in services:
+            service.stop()
