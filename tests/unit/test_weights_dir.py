@@ -25,6 +25,9 @@ class MemoryNats:
     """Object store and KV in a dict: the surface of streams.nats.Nats that streams/weights.py uses."""
 
     def __init__(self) -> None:
+        from engine.config import NatsConfig
+
+        self.cfg = NatsConfig()  # the bucket names publisher and subscriber read
         self.objects: dict[tuple[str, str], bytes] = {}
         self.kv: dict[tuple[str, str], bytes] = {}
 
