@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 SYSTEMS = ("engine", "minimal", "trl")
 """In the order they run: the engine first, so the broker and nats-server are stopped before the others."""
 DEFAULT_SECONDS = 780.0
-QUICK_SECONDS = 90.0
+QUICK_SECONDS = 120.0
 DEFAULT_MINIMAL = ROOT.parent / "shared" / "baselines" / "grpo_minimal.py"
 MODEL_ENV = "ROLLOUT_MODEL_DIR"
 ENGINE_DOMAIN = "math"
