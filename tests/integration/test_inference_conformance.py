@@ -59,8 +59,10 @@ class ServerProcess:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
+            self.proc.wait(timeout=30)
+            tail = self.stderr_tail()
             self.stop()
-            raise RuntimeError(f"server exited before listening: {self.stderr_tail()}")
+            raise RuntimeError(f"server exited before listening: {tail}")
         self.url = json.loads(line)["url"]
 
     def status(self, path: str) -> int:
@@ -74,8 +76,9 @@ class ServerProcess:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while self.status("/health_generate") != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.stderr_tail()
                 self.stop()
-                raise RuntimeError(f"server not ready: {self.stderr_tail()}")
+                raise RuntimeError(f"server not ready: {tail}")
             time.sleep(0.05)  # poll interval, not a readiness guess
 
     def stderr_tail(self) -> str:
@@ -412,13 +415,13 @@ async def test_client_raises_http_error_with_message(client: SGLangClient) -> No
     assert info.value.status == 400 and "vocabulary" in info.value.message
 
 
-def test_health_generate_is_503_until_a_model_loads(tmp_path: Path) -> None:
-    proc = ServerProcess("--model-dir", str(tmp_path / "missing"))
-    try:
-        assert proc.status("/health") == 200
-        assert proc.status("/health_generate") == 503
-    finally:
-        proc.stop()
+def test_a_missing_model_dir_is_refused_before_listening(tmp_path: Path) -> None:
+    """A directory that cannot be served is named at once, before the server listens or torch loads."""
+    missing = tmp_path / "missing"
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", "--model-dir",
+                           str(missing)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""  # never listened
+    assert "--model-dir" in done.stderr and str(missing) in done.stderr
 
 
 # ------------------------------------------------------------------------ api key (SGLang's --api-key)
