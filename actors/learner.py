@@ -81,8 +81,10 @@ class _Offered:
     reward: float
 
 
-def save_weights(model: PreTrainedModel, out_dir: Path, dtype: str = "float32") -> list[str | Path]:
-    """Write ``model`` as a Hugging Face directory for publication, floating tensors in ``dtype``.
+def save_weights(model: PreTrainedModel, out_dir: Path, dtype: str = "float32",
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> list[str | Path]:
+    """Write ``model`` (and ``tokenizer``: a publication is a whole HF directory) for publication, floating
+    tensors in ``dtype``.
 
     Tensors that share storage (tied embeddings) are converted once and stay shared, so
     ``save_pretrained`` still writes them once. Returns the files written, sorted.
@@ -99,6 +101,8 @@ def save_weights(model: PreTrainedModel, out_dir: Path, dtype: str = "float32") 
                 converted[key] = t.detach().to(wire) if t.is_floating_point() else t
             state[name] = converted[key]
         model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
     return sorted(p for p in out_dir.iterdir() if p.is_file())
 
 
@@ -315,9 +319,7 @@ class LearnerActor(Actor):
     def _save_pretrained(self, path: str, tokenizer: PreTrainedTokenizerBase) -> list[str | Path]:
         assert self.learner is not None
         with self.learner.export_model() as model:  # LoRA adapters merged into the published weights
-            save_weights(model, Path(path), self.cfg.publish_dtype)
-        tokenizer.save_pretrained(path)
-        return sorted(p for p in Path(path).iterdir() if p.is_file())
+            return save_weights(model, Path(path), self.cfg.publish_dtype, tokenizer)
 
     def _save_checkpoint(self, learner: Learner, tokenizer: PreTrainedTokenizerBase) -> Path:
         with learner.export_model() as model:

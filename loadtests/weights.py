@@ -78,7 +78,7 @@ async def sync_one_version(nats: Nats, names: Names, manifests: AsyncIterator[We
     out_dir = work / f"write-v{version}"
     out_dir.mkdir()
     t0 = time.perf_counter()
-    files = await anyio.to_thread.run_sync(save_weights, learner_model, out_dir, dtype)
+    files = await anyio.to_thread.run_sync(save_weights, learner_model, out_dir, dtype, engine.tokenizer)
     t_write = time.perf_counter() - t0
     t0 = time.perf_counter()
     manifest = await WeightPublisher(nats, names).publish(version, files)
@@ -102,12 +102,12 @@ async def sync_one_version(nats: Nats, names: Names, manifests: AsyncIterator[We
             "sync_s": t_write + t_publish + t_fetch + t_apply}
 
 
-def fp32_files(model, work: Path) -> list[Path]:
+def fp32_files(model, tokenizer, work: Path) -> list[Path]:
     """The float32 version's files, as the learner writes them (written once, for the raw path)."""
     out_dir = work / "raw-source"
     if not out_dir.is_dir():
         out_dir.mkdir()
-        save_weights(model, out_dir, "float32")
+        save_weights(model, out_dir, "float32", tokenizer)  # the same bytes as the adapter's float32 version
     return sorted(p for p in out_dir.iterdir() if p.is_file())
 
 
@@ -188,7 +188,7 @@ async def main_async(args: argparse.Namespace) -> dict:
                                                                     engine, 2 * r + 1, "float32", work))
 
                             async def raw() -> None:
-                                raws.append(await raw_put_get(nats, fp32_files(learner_model, work), work))
+                                raws.append(await raw_put_get(nats, fp32_files(learner_model, tokenizer, work), work))
 
                             for path in ((adapter, raw) if r % 2 == 0 else (raw, adapter)):
                                 await path()

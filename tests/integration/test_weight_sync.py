@@ -53,7 +53,7 @@ async def test_a_bf16_version_goes_through_nats_as_is_and_a_float32_server_casts
         nats_url: str, unique_name: str, tmp_path: Path) -> None:
     served, tokenizer = load_model_dir(write_tiny_model_dir(tmp_path / "model", seed=0))
     trained = build_tiny_model(tiny_config(len(tokenizer)), seed=1)  # the learner's next weights
-    files = save_weights(trained, tmp_path / "published", "bfloat16")
+    files = save_weights(trained, tmp_path / "published", "bfloat16", tokenizer)
     names = Names(unique_name)
     async with Nats(NatsConfig(url=nats_url, timeout_s=30)) as n:
         manifest = await WeightPublisher(n, names).publish(1, files)
