@@ -16,8 +16,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="model to train: a preparable name (default smollm2-135m, prepared on first use) or "
                              "'tiny' (the seeded character-level fixture, with a supervised warm start)")
     parser.add_argument("--model-dir", help="train this HF model directory instead of the prepared --model")
-    parser.add_argument("--seconds", type=float, default=600.0,
-                        help="wall-clock budget of the real model's RL run (default: 600)")
+    parser.add_argument("--seconds", type=float, default=780.0,
+                        help="wall-clock budget of the real model's RL run (default: 780, the learning benchmark's)")
     parser.add_argument("--steps", type=int, help="learner steps of the RL run (default: tiny 60; real: the --seconds budget)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, tasks and held-out sets")
     parser.add_argument("--sft-steps", type=int, help="optimizer steps of the supervised warm start (default: the plan's)")

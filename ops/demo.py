@@ -82,7 +82,7 @@ class RealPlan:
     model_dir: str | None = None
     """An HF model directory to train instead of the prepared ``model``."""
     seed: int = 0
-    seconds: float = 600.0
+    seconds: float = 780.0
     """Wall-clock budget of the RL run (the pipeline's start counts)."""
     steps: int | None = None
     """Stop after this many learner steps instead, if sooner."""
