@@ -286,12 +286,8 @@ def _step_move(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict
 _TERMINAL_STEPS = (_step_create, _step_delete, _step_mkdir, _step_copy, _step_move)
 
 
-def make_terminal(rng: random.Random, difficulty: float) -> GeneratedTask:
-    """``"# goal: create a.txt containing hi\\n$ "`` -> ``"echo hi > a.txt"``; one command per turn.
-
-    Difficulty chains goals (1 to 3), each needing one command; ``max_turns`` leaves one spare turn.
-    """
-    n_goals = 1 + round(2 * difficulty * 0.99)
+def _chain_goals(rng: random.Random, n_goals: int) -> tuple[list[str], list[str], list[dict[str, Any]], dict[str, str]]:
+    """``n_goals`` shell goals on distinct files: their descriptions, commands, final-state checks and setup files."""
     taken: set[str] = set()
     goals, commands, checks, setup = [], [], [], {}
     for _ in range(n_goals):
@@ -300,6 +296,16 @@ def make_terminal(rng: random.Random, difficulty: float) -> GeneratedTask:
         commands.append(command)
         checks.extend(goal_checks)
         setup.update(files)
+    return goals, commands, checks, setup
+
+
+def make_terminal(rng: random.Random, difficulty: float) -> GeneratedTask:
+    """``"# goal: create a.txt containing hi\\n$ "`` -> ``"echo hi > a.txt"``; one command per turn.
+
+    Difficulty chains goals (1 to 3), each needing one command; ``max_turns`` leaves one spare turn.
+    """
+    n_goals = 1 + round(2 * difficulty * 0.99)
+    goals, commands, checks, setup = _chain_goals(rng, n_goals)
     spec = {"setup_files": setup, "checks": checks, "max_turns": n_goals + 1}
     return GeneratedTask(prompt=f"# goal: {', then '.join(goals)}\n$ ", spec=spec,
                          ideal="".join(f"{c}{STOP}" for c in commands))
@@ -421,11 +427,6 @@ def make_math(rng: random.Random, difficulty: float) -> GeneratedTask:
                          ideal=str(value))
 
 
-def first_number_format(text: str) -> float:
-    """1 when the answer is the bare number and nothing else."""
-    return 1.0 if _INT.fullmatch(text.strip()) else 0.0
-
-
 _PY_TASKS: tuple[tuple[float, str, str, Callable[[int, int], int]], ...] = (
     (0.0, "returns x plus {k}", "x + {k}", lambda x, k: x + k),
     (0.0, "returns x minus {k}", "x - {k}", lambda x, k: x - k),
@@ -459,14 +460,7 @@ def fenced_code_format(text: str) -> float:
 def make_shell(rng: random.Random, difficulty: float) -> GeneratedTask:
     """``"... write the shell command that creates a.txt containing hi ..."``; the command runs in a sandbox."""
     n_goals = 1 + round(difficulty)
-    taken: set[str] = set()
-    goals, commands, checks, setup = [], [], [], {}
-    for _ in range(n_goals):
-        goal, command, goal_checks, files = rng.choice(_TERMINAL_STEPS)(rng, taken)
-        goals.append(goal)
-        commands.append(command)
-        checks.extend(goal_checks)
-        setup.update(files)
+    goals, commands, checks, setup = _chain_goals(rng, n_goals)
     listing = ", ".join(sorted(setup)) or "nothing"
     prompt = (f"You are in a Linux shell in a directory that holds {listing}. "
               f"Write the shell command{'s' if n_goals > 1 else ''} to {', then '.join(goals)}. "
@@ -510,7 +504,7 @@ def one_word_format(text: str) -> float:
     return 1.0 if re.fullmatch(r"[A-Za-z]+\.?", text.strip()) else 0.0
 
 
-register_domain(Domain("math", "answer", make_math, answer_reward, first_number_format, stop=(), max_new_tokens=8))
+register_domain(Domain("math", "answer", make_math, answer_reward, answer_format, stop=(), max_new_tokens=8))
 register_domain(Domain("python", "code", make_python, code_reward, fenced_code_format, stop=(), max_new_tokens=64))
 register_domain(Domain("shell", "terminal", make_shell, terminal_reward, shell_format, stop=(), max_new_tokens=24))
 register_domain(Domain("docqa", "answer", make_docqa, answer_reward, one_word_format, stop=(), max_new_tokens=8))

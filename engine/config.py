@@ -174,13 +174,18 @@ class InferenceConfig(Section):
             return self.api_key.get_secret_value() or None
         if self.api_key_file is None:
             return None
-        try:
-            key = Path(self.api_key_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"inference.api_key_file: cannot read {self.api_key_file}: {exc.strerror}") from None
-        if not key:
-            raise ConfigError(f"inference.api_key_file: {self.api_key_file} is empty")
-        return key
+        return read_key_file(self.api_key_file, "inference.api_key_file")
+
+
+def read_key_file(path: str | Path, field: str) -> str:
+    """The stripped contents of a secret file; ConfigError naming ``field`` if it cannot be read or is empty."""
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot read {path}: {exc.strerror}") from None
+    if not key:
+        raise ConfigError(f"{field}: {path} is empty")
+    return key
 
 
 class SandboxConfig(Section):

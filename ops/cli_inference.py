@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
 
@@ -116,11 +115,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file is not None and args.api_key is not None:
         raise ValueError("give --api-key or --api-key-file, not both")
     if args.api_key_file is not None:
-        try:
-            key = Path(args.api_key_file).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror}") from None
-        if not key:
-            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
-        return key
+        from engine.config import read_key_file
+
+        return read_key_file(args.api_key_file, "--api-key-file")  # a ConfigError is a ValueError
     return args.api_key or os.environ.get(API_KEY_ENV) or None
