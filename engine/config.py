@@ -189,8 +189,8 @@ def read_key_file(path: str | Path, field: str) -> str:
 
 
 class SandboxConfig(Section):
-    backend: Literal["bwrap", "docker"] = "bwrap"
-    """Sandbox backend."""
+    backend: str = "bwrap"
+    """Sandbox backend: a name registered in sandboxes.registry (built in: `bwrap`, `docker`)."""
     pool_size: int = Field(8, ge=0)
     """Pre-warmed sandboxes."""
     max_sandboxes: int = Field(64, ge=1)
@@ -203,6 +203,14 @@ class SandboxConfig(Section):
     """Process limit per sandbox."""
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock limit of one command."""
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, value: str) -> str:
+        from sandboxes.registry import sandbox_backend
+
+        sandbox_backend(value)  # ValueError naming the registered backends
+        return value
 
 
 class RewardConfig(Section):
