@@ -10,17 +10,18 @@ backends' modules are imported on the first lookup, keeping this module cheap to
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.config import InferenceConfig
 
-Launch = Callable[["InferenceConfig", Path, Path], AbstractAsyncContextManager[str]]
-"""``launch(cfg.inference, model_dir, run_dir)``: ``async with`` it yields the URL of a healthy server."""
+class Launch(Protocol):
+    """``launch(cfg.inference, model_dir, run_dir)``: ``async with`` it yields the URL of a healthy server."""
+
+    def __call__(self, cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> AbstractAsyncContextManager[str]: ...
 
 BUILTIN_MODULES = ("actors.inference.launch",)
 """Modules whose import registers the backends that ship with the project (`local`, `sglang`)."""
