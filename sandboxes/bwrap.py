@@ -563,12 +563,12 @@ def _read_available(fd: int) -> str:
         return ""
 
 
-async def _reap_leftovers() -> int:
+async def reap_leftovers() -> int:
     """Sandboxes of dead processes removed by one reaper pass (the reaper imports this module, hence lazily)."""
     from sandboxes.reaper import reap
 
     return reap().sandboxes
 
 
-register_sandbox_backend("bwrap", BwrapSandbox.create, reap=_reap_leftovers,
+register_sandbox_backend("bwrap", BwrapSandbox.create, reap=reap_leftovers,
                          description="one long-lived bubblewrap sandbox per Sandbox, one fork per exec (default)")

@@ -15,9 +15,11 @@ from pydantic import ValidationError
 
 from actors.sandbox import SandboxResources
 from engine.config import SandboxConfig
-from sandboxes import ExecResult, Limits, register_sandbox_backend, sandbox_backend_names, unregister_sandbox_backend
+from sandboxes import (ExecResult, Limits, open_sandbox, register_sandbox_backend, sandbox_backend_names,
+                       unregister_sandbox_backend)
 from sandboxes.bwrap import BwrapSandbox
 from sandboxes.verifiers import verify_code
+from tests.unit.test_extending_doc import run_snippet
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -92,3 +94,17 @@ async def test_the_same_tests_fail_outside_the_marked_backend() -> None:
     async with SandboxResources(cfg) as resources:
         facts = await verify_code("def f(x):\n    return 2 * x\n", {"tests": TESTS}, resources.pool)
     assert [t["passed"] for t in facts["tests"]] == [True, False], facts
+
+
+@pytest.mark.anyio
+async def test_the_documented_backend_runs_commands() -> None:
+    """docs/extending.md's backend, executed as written, opens real sandboxes with the seed fixed."""
+    run_snippet("A new sandbox backend")
+    try:
+        async with open_sandbox("bwrap_seeded", Limits(memory_mb=128, pids=32)) as sandbox:
+            seeded = await sandbox.exec(["/usr/bin/python3", "-c", "import os; print(os.environ['PYTHONHASHSEED'])"])
+            chosen = await sandbox.exec("echo $PYTHONHASHSEED", env={"PYTHONHASHSEED": "7"})
+    finally:
+        unregister_sandbox_backend("bwrap_seeded")
+    assert (seeded.exit_code, seeded.stdout.strip()) == (0, "0"), seeded
+    assert chosen.stdout.strip() == "7"  # the caller's environment still wins
