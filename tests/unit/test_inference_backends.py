@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from actors.inference.backends import (inference_backend, inference_backend_names, register_inference_backend,
                                        unregister_inference_backend)
 from actors.inference.launch import LocalServer
-from engine.config import InferenceConfig
+from engine.config import ConfigError, InferenceConfig, load_config
 
 
 @contextlib.asynccontextmanager
@@ -63,3 +63,13 @@ def test_registration_refuses_duplicates_and_bad_names(registered: None) -> None
         register_inference_backend("bad name", fake_launch)
     with pytest.raises(TypeError, match="launch must be callable"):
         register_inference_backend("x_test", "not callable")  # type: ignore[arg-type]
+
+
+def test_a_config_file_naming_unknown_backends_says_which_file_and_fields(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text('[sandbox]\nbackend = "firecracker"\n[inference]\nbackend = "simx"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(f)
+    message = str(err.value)
+    assert f"{f}: inference.backend: unknown inference backend 'simx'; expected one of ('local', 'sglang'" in message
+    assert f"{f}: sandbox.backend: unknown sandbox backend 'firecracker'; expected one of ('bwrap', 'docker'" in message
