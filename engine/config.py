@@ -108,9 +108,17 @@ class SchedulerConfig(Section):
     """Admit short/easy tasks first and lengthen with the observed success rate."""
 
 
+def _inference_backend(name: str) -> Any:
+    """The registered inference backend ``name`` (imported late: the registry imports this module)."""
+    from actors.inference.backends import inference_backend
+
+    return inference_backend(name)
+
+
 class InferenceConfig(Section):
-    backend: Literal["local", "sglang"] = "local"
-    """`local`: the embedded torch server of this project; `sglang`: an external SGLang server or router."""
+    backend: str = "local"
+    """A name registered in actors.inference.backends. `local`: the embedded torch server of this project;
+    `sglang`: an external SGLang server or router."""
     urls: list[str] = Field(default_factory=list, validate_default=True)
     """SGLang server or router URLs (backend=sglang), or a running local server; empty: start one embedded."""
     model_dir: str | None = Field(None, validate_default=True)
@@ -145,20 +153,28 @@ class InferenceConfig(Section):
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and
     broker CPU) per sample at the cost of a consumer seeing tokens a few decode steps later."""
 
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, value: str) -> str:
+        _inference_backend(value)  # ValueError naming the registered backends
+        return value
+
     @field_validator("urls")
     @classmethod
-    def _sglang_names_its_servers(cls, value: list[str], info: ValidationInfo) -> list[str]:
-        if not value and info.data.get("backend") == "sglang":
-            raise ValueError("backend 'sglang' needs the URLs of its SGLang servers or router")
+    def _external_backend_names_its_servers(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        name = info.data.get("backend")
+        if not value and name is not None and _inference_backend(name).launch is None:
+            raise ValueError(f"backend {name!r} needs the URLs of its servers or router (it starts none of its own)")
         return value
 
     @field_validator("model_dir")
     @classmethod
-    def _sglang_names_its_model(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None and info.data.get("backend") == "sglang":
-            raise ValueError("backend 'sglang' needs the model directory its servers serve (the directory "
-                             "they were started with, `--model-path`): the learner starts from it and the "
-                             "inference actor tokenizes with it; set inference.model_dir")
+    def _external_backend_names_its_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        name = info.data.get("backend")
+        if value is None and name is not None and _inference_backend(name).needs_model_dir:
+            raise ValueError(f"backend {name!r} needs the model directory its servers serve (the directory "
+                             "they were started with, e.g. SGLang's `--model-path`): the learner starts from it "
+                             "and the inference actor tokenizes with it; set inference.model_dir")
         return value
 
     @model_validator(mode="after")
@@ -189,8 +205,8 @@ def read_key_file(path: str | Path, field: str) -> str:
 
 
 class SandboxConfig(Section):
-    backend: Literal["bwrap", "docker"] = "bwrap"
-    """Sandbox backend."""
+    backend: str = "bwrap"
+    """Sandbox backend: a name registered in sandboxes.registry (built in: `bwrap`, `docker`)."""
     pool_size: int = Field(8, ge=0)
     """Pre-warmed sandboxes."""
     max_sandboxes: int = Field(64, ge=1)
@@ -203,6 +219,14 @@ class SandboxConfig(Section):
     """Process limit per sandbox."""
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock limit of one command."""
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, value: str) -> str:
+        from sandboxes.registry import sandbox_backend
+
+        sandbox_backend(value)  # ValueError naming the registered backends
+        return value
 
 
 class RewardConfig(Section):

@@ -24,10 +24,12 @@ def _load(name: str) -> ModuleType:
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    from sandboxes.registry import sandbox_backend_names
+
     sub = parser.add_subparsers(dest="loadtest_command", metavar="SUBCOMMAND")
     sub.required = True
     sb = sub.add_parser("sandboxes", help="acquire+exec+release cycles vs `docker run` in the same run")
-    sb.add_argument("--backend", choices=("bwrap", "docker"), default="bwrap")
+    sb.add_argument("--backend", choices=sandbox_backend_names(), default="bwrap")
     sb.add_argument("--concurrency", type=int, default=4)
     sb.add_argument("--duration", type=float, default=20.0, help="seconds of measured cycles")
     sb.add_argument("--quick", action="store_true", help="a smoke run (5 s, 5 docker runs)")

@@ -10,10 +10,12 @@ import sys
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    from sandboxes.registry import sandbox_backend_names
+
     sub = parser.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND")
     sub.required = True
     ex = sub.add_parser("exec", help="run one command in a fresh sandbox; prints one JSON ExecResult")
-    ex.add_argument("--backend", choices=("bwrap", "docker"), default="bwrap")
+    ex.add_argument("--backend", choices=sandbox_backend_names(), default="bwrap")
     ex.add_argument("--timeout", type=float, default=30.0, help="wall-clock seconds (default 30)")
     ex.add_argument("--memory", type=int, default=512, help="memory limit in MB (default 512)")
     ex.add_argument("--pids", type=int, default=128, help="process limit (default 128)")

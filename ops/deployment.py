@@ -104,17 +104,16 @@ class Deployment:
             from transformers import AutoTokenizer
 
             from actors.inference.actor import InferenceActor
-            from actors.inference.launch import LocalServer
+            from actors.inference.backends import inference_backend
 
             assert self.model_dir is not None
             urls = list(self.cfg.inference.urls)
             if not urls:
-                if self.cfg.inference.backend != "local":
-                    raise ValueError("inference.backend = 'sglang' needs inference.urls (the SGLang servers or router)")
-                # the embedded server requires the configured key, which the actor's client sends
-                urls = [await enter(LocalServer(self.model_dir, log_path=self.run_dir / "logs" / "inference-server.log",
-                                                max_batch=self.cfg.inference.max_batch,
-                                                api_key=self.cfg.inference.resolved_api_key()))]
+                launch = inference_backend(self.cfg.inference.backend).launch
+                if launch is None:
+                    raise ValueError(f"inference.backend = {self.cfg.inference.backend!r} needs inference.urls "
+                                     "(it starts no server of its own)")
+                urls = [await enter(launch(self.cfg.inference, Path(self.model_dir), self.run_dir))]
             self.inference_urls = urls
             tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
             add("inference", lambda: InferenceActor(rt, urls, tokenizer,
@@ -164,11 +163,12 @@ class Deployment:
         model_dir = self.cfg.inference.model_dir
         if not model_dir or not {"inference", "learner"} & set(self.roles):
             return
-        from actors.inference.launch import model_dir_problems
+        from actors.model_dir import ModelDirError, check_model_dir
 
-        problems = model_dir_problems(model_dir)
-        if problems:
-            raise StartupError(f"inference.model_dir = {model_dir}: {'; '.join(problems)}")
+        try:
+            check_model_dir(model_dir)
+        except ModelDirError as exc:
+            raise StartupError(f"inference.model_dir = {model_dir}: {exc}") from None
 
     def _setup_tracing(self) -> None:
         """Install this process's span exporter (if ``telemetry.tracing``); flushed when the deployment closes."""

@@ -53,6 +53,7 @@ from sandboxes.base import (
 )
 from sandboxes.cgroups import CgroupSet, available_controllers
 from sandboxes.limits import Limits
+from sandboxes.registry import register_sandbox_backend
 from sandboxes.seccomp import SECCOMP_PROGRAM
 
 SANDBOX_ROOT = Path(os.environ.get("ROLLOUT_SANDBOX_ROOT", "/run/rollout-sandboxes"))
@@ -560,3 +561,14 @@ def _read_available(fd: int) -> str:
         return os.read(fd, 4096).decode(errors="replace").strip()
     except (BlockingIOError, OSError):
         return ""
+
+
+async def reap_leftovers() -> int:
+    """Sandboxes of dead processes removed by one reaper pass (the reaper imports this module, hence lazily)."""
+    from sandboxes.reaper import reap
+
+    return reap().sandboxes
+
+
+register_sandbox_backend("bwrap", BwrapSandbox.create, reap=reap_leftovers,
+                         description="one long-lived bubblewrap sandbox per Sandbox, one fork per exec (default)")

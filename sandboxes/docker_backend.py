@@ -44,6 +44,7 @@ from typing import Any
 from sandboxes import _init_client
 from sandboxes.base import SANDBOX_ENV, VERIFY_DIR, WORKDIR, ExecResult, Sandbox, SandboxError, normalize_path
 from sandboxes.limits import Limits
+from sandboxes.registry import register_sandbox_backend
 from sandboxes.seccomp import SECCOMP_PROGRAM
 
 LABEL = "rollout.sandbox"
@@ -486,3 +487,7 @@ async def reap_containers() -> int:
         return removed
 
     return await asyncio.to_thread(reap)
+
+
+register_sandbox_backend("docker", DockerSandbox.create, reap=reap_containers,
+                         description="a running container per Sandbox whose pid 1 is the sandbox init")

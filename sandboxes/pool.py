@@ -12,24 +12,13 @@ from dataclasses import dataclass
 
 from sandboxes.base import Sandbox
 from sandboxes.limits import Limits
+from sandboxes.registry import sandbox_backend
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("bwrap", "docker")
-
-
 async def create_sandbox(backend: str = "bwrap", limits: Limits | None = None) -> Sandbox:
-    """A new sandbox of ``backend``; the caller closes it."""
-    limits = limits or Limits()
-    if backend == "bwrap":
-        from sandboxes.bwrap import BwrapSandbox
-
-        return await BwrapSandbox.create(limits)
-    if backend == "docker":
-        from sandboxes.docker_backend import DockerSandbox
-
-        return await DockerSandbox.create(limits)
-    raise ValueError(f"unknown sandbox backend {backend!r}; expected one of {BACKENDS}")
+    """A new sandbox of ``backend`` (a name in :mod:`sandboxes.registry`); the caller closes it."""
+    return await sandbox_backend(backend).create(limits or Limits())
 
 
 @contextlib.asynccontextmanager
@@ -76,6 +65,7 @@ class SandboxPool:
             raise ValueError(f"need 0 <= size <= max_size, got size={size} max_size={max_size}")
         if not idle_ttl_s > 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
+        sandbox_backend(backend)  # an unknown name fails here, naming the known ones, not at first use
         self.backend = backend
         self.limits = limits or Limits()
         self.size = size
@@ -135,14 +125,9 @@ class SandboxPool:
         return len(cold)
 
     async def reap(self) -> None:
-        if self.backend == "bwrap":
-            from sandboxes.reaper import reap
-
-            self._reaped += reap().sandboxes
-        elif self.backend == "docker":
-            from sandboxes.docker_backend import reap_containers
-
-            self._reaped += await reap_containers()
+        reap = sandbox_backend(self.backend).reap
+        if reap is not None:
+            self._reaped += await reap()
 
     @staticmethod
     async def _every(interval_s: float, action: Callable[[], Awaitable[object]], what: str) -> None:

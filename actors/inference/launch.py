@@ -5,9 +5,12 @@ readiness is then ``/health_generate`` answering 200. The child is stopped by it
 then SIGKILL after a grace period), never by name. An api key reaches the child in its environment
 (``ROLLOUT__INFERENCE__API_KEY``), never on its command line, which every user of the host can read.
 
-A model directory that plainly cannot be served (:func:`model_dir_problems`) is refused before any
-process is spawned, and a child that exits during start-up (the server exits when its model fails
+A model directory that cannot be served (:func:`actors.model_dir.check_model_dir`) is refused before
+any process is spawned, and a child that exits during start-up (the server exits when its model fails
 to load) ends the wait at once: a bad directory is reported in seconds, not after the start-up timeout.
+
+This module also registers the built-in inference backends (:mod:`actors.inference.backends`):
+``local`` launches a :class:`LocalServer`; ``sglang`` serves only through servers started elsewhere.
 """
 
 from __future__ import annotations
@@ -20,11 +23,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
+from actors.inference.backends import register_inference_backend
 from actors.inference.sglang_client import SGLangClient
+from actors.model_dir import ModelDirError, check_model_dir
 from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
+
+if TYPE_CHECKING:
+    from engine.config import InferenceConfig
 
 
 PR_SET_PDEATHSIG = 1
@@ -47,26 +56,6 @@ class LocalServerError(RuntimeError):
     """The local inference server did not start; the message says why and where its log is."""
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def model_dir_problems(model_dir: str | Path) -> list[str]:
-    """What a glance shows missing from a Hugging Face model directory (the directory itself, config.json,
-    weights, tokenizer files); empty when nothing is. Loading can still fail on what it finds there."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        return ["the directory does not exist" if not path.exists() else "it is not a directory"]
-    problems = []
-    if not (path / "config.json").is_file():
-        problems.append("no config.json")
-    if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
-        problems.append(f"no weights (none of {', '.join(WEIGHT_FILES)} or *.safetensors)")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        problems.append(f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
-    return problems
-
-
 class LocalServer:
     """``async with LocalServer(model_dir) as url:`` runs `rollout inference serve` on a free port."""
 
@@ -85,9 +74,10 @@ class LocalServer:
         self.url: str | None = None
 
     async def start(self) -> str:
-        problems = model_dir_problems(self.model_dir)
-        if problems:
-            raise LocalServerError(f"cannot serve model directory {self.model_dir}: {'; '.join(problems)}")
+        try:
+            check_model_dir(self.model_dir)
+        except ModelDirError as exc:
+            raise LocalServerError(f"cannot serve model directory {self.model_dir}: {exc}") from None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         argv = [sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", "--model-dir", self.model_dir,
@@ -155,3 +145,14 @@ class LocalServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await anyio.to_thread.run_sync(self.stop)
+
+
+def launch_local(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalServer:
+    """The `local` backend's embedded server for a deployment: it requires the configured api key."""
+    return LocalServer(model_dir, log_path=run_dir / "logs" / "inference-server.log", max_batch=cfg.max_batch,
+                       api_key=cfg.resolved_api_key())
+
+
+register_inference_backend("local", launch_local, description="the embedded torch server of this project")
+register_inference_backend("sglang", None, needs_model_dir=True,
+                           description="external SGLang servers or a router (inference.urls)")

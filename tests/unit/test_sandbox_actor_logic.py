@@ -1,4 +1,4 @@
-"""Pure logic of actors/sandbox.py: spec clamping, verifier choice, failure facts, per-key locks."""
+"""Pure logic of actors/sandbox/: spec clamping, verifier choice, failure facts, per-key locks."""
 
 from __future__ import annotations
 

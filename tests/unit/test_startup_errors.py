@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from kafka.errors import KafkaConnectionError, KafkaTimeoutError
 
-from actors.inference.launch import model_dir_problems
+from actors.inference.launch import LocalServer, LocalServerError
 from ops.cli_run import failure_line
 from ops.deployment import StartupError
 from streams.kafka import StreamError, kafka_reason
@@ -28,13 +29,20 @@ def test_failure_line_is_one_line_and_unwraps_a_lone_group() -> None:
     assert failure_line(KeyError()) == "KeyError"
 
 
-def test_model_dir_problems(tmp_path: Path) -> None:
-    assert model_dir_problems(tmp_path / "missing") == ["the directory does not exist"]
-    (tmp_path / "file").write_text("")
-    assert model_dir_problems(tmp_path / "file") == ["it is not a directory"]
+@pytest.mark.anyio
+async def test_local_server_refuses_a_bad_model_dir_before_spawning(tmp_path: Path) -> None:
+    """The one model-dir check (actors.model_dir.check_model_dir) guards the embedded server."""
+    server = LocalServer(tmp_path / "missing", log_path=tmp_path / "log")
+    with pytest.raises(LocalServerError, match="model directory does not exist"):
+        await server.start()
     d = tmp_path / "model"
     d.mkdir()
-    assert [p.split(" (")[0] for p in model_dir_problems(d)] == ["no config.json", "no weights", "no tokenizer"]
-    for name in ("config.json", "model-00001-of-00002.safetensors", "tokenizer.json"):
-        (d / name).write_text("{}")
-    assert model_dir_problems(d) == []
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(LocalServerError, match="no weights"):
+        await LocalServer(d, log_path=tmp_path / "log").start()
+    assert server.proc is None and not (tmp_path / "log").exists()  # nothing was spawned
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

@@ -1,0 +1,195 @@
+"""Multi-turn episodes: open / step / close requests against one leased sandbox per episode."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+from opentelemetry.trace import SpanKind
+
+from actors import tracing
+from actors.runtime import Runtime
+from actors.sandbox.resources import SandboxResources, _SandboxActorBase
+from actors.sandbox.settings import clamp_spec
+from engine.schemas import EPISODES_FULL, SandboxRequest, SandboxResult
+from sandboxes import SandboxError
+from sandboxes.verifiers import TerminalEpisode
+from streams.kafka import Record, StreamError
+
+log = logging.getLogger("rollout.actors.sandbox")
+
+EPISODE_UNKNOWN = "episode_unknown"
+
+
+class _KeyedLocks:
+    """One FIFO lock per key, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+@dataclasses.dataclass(slots=True)
+class _Live:
+    episode: TerminalEpisode
+    last_used: float
+
+
+class EpisodeActor(_SandboxActorBase):
+    """Runs multi-turn episodes: ``rollout.sandbox.requests`` -> ``rollout.sandbox.results``."""
+
+    role: ClassVar[str] = "sandbox.episodes"
+    topics: ClassVar[list[str]] = ["sandbox.requests"]
+    expect: ClassVar[tuple[str, ...]] = (SandboxRequest.SCHEMA,)
+
+    def __init__(self, rt: Runtime, resources: SandboxResources, name: str | None = None) -> None:
+        super().__init__(rt, resources, name)
+        self.settings = resources.settings
+        self.episodes: dict[str, _Live] = {}
+        self._locks = _KeyedLocks()
+        self._replies: collections.OrderedDict[tuple[str, int, str], SandboxResult] = collections.OrderedDict()
+        self._next_idle_check = 0.0
+        self.opened = self.closed = self.idle_closed = self.replayed = self.unknown = 0
+
+    async def handle(self, record: Record) -> None:
+        req = record.message
+        assert isinstance(req, SandboxRequest)
+        partitions = self.rt.partitions("sandbox.results")
+        if req.reply_partition >= partitions:
+            raise ValueError(f"reply_partition {req.reply_partition} >= {partitions} partitions of sandbox.results")
+        key = (req.episode_id, req.step, req.action)
+        with tracing.tracer().start_as_current_span("sandbox.step", context=tracing.record_context(record),
+                                                    kind=SpanKind.CONSUMER) as span:
+            async with self._locks.hold(req.episode_id):
+                reply = self._replies.get(key)
+                replayed = reply is not None
+                if reply is not None:
+                    self.replayed += 1
+                else:
+                    reply = await self._answer(req)
+                    if not reply.error or reply.error == EPISODE_UNKNOWN:
+                        self._remember(key, reply)
+            if span.is_recording():
+                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role,
+                                     "rollout.episode_id": req.episode_id, "rollout.step": req.step,
+                                     "rollout.action": req.action, "rollout.domain": req.domain,
+                                     "rollout.replayed": replayed, "rollout.error": reply.error,
+                                     "rollout.timed_out": reply.timed_out})
+                if reply.exit_code is not None:
+                    span.set_attribute("rollout.exit_code", reply.exit_code)
+            self.emit(record, self.rt.names.sandbox_results, reply, key=req.episode_id, partition=req.reply_partition,
+                      headers=tracing.trace_headers(span))
+
+    def _remember(self, key: tuple[str, int, str], reply: SandboxResult) -> None:
+        self._replies[key] = reply
+        while len(self._replies) > self.settings.reply_cache:
+            self._replies.popitem(last=False)
+
+    async def _answer(self, req: SandboxRequest) -> SandboxResult:
+        try:
+            if req.action == "open":
+                return await self._open(req)
+            live = self.episodes.get(req.episode_id)
+            if live is None:
+                self.unknown += 1
+                return SandboxResult(episode_id=req.episode_id, step=req.step, observation="", error=EPISODE_UNKNOWN)
+            live.last_used = time.monotonic()
+            if req.action == "step":
+                return await self._step(req, live)
+            return await self._close(req, live)
+        except SandboxError as exc:
+            raise StreamError(f"sandbox failure in episode {req.episode_id}: {exc}") from exc
+
+    async def _open(self, req: SandboxRequest) -> SandboxResult:
+        ok = SandboxResult(episode_id=req.episode_id, step=req.step, observation="")
+        if req.episode_id in self.episodes:  # a re-delivered open whose reply fell out of the cache
+            return ok
+        if len(self.episodes) >= self.resources.max_episodes:
+            return dataclasses.replace(ok, error=EPISODES_FULL)
+        spec, clamped = clamp_spec(req.spec, self.resources.cfg, self.settings)
+        episode = TerminalEpisode(spec, self.resources.pool)
+        try:
+            await asyncio.wait_for(episode.open(), self.settings.open_timeout_s)
+        except asyncio.TimeoutError:
+            await episode.abandon()
+            return dataclasses.replace(ok, error="sandbox_unavailable")
+        except SandboxError:
+            await episode.abandon()
+            raise
+        except Exception as exc:  # a spec the episode cannot be set up from (bad setup_files, ...)
+            await episode.abandon()
+            return dataclasses.replace(ok, error=f"bad_spec: {type(exc).__name__}: {exc}"[:2000])
+        self.episodes[req.episode_id] = _Live(episode, time.monotonic())
+        self.opened += 1
+        return dataclasses.replace(ok, facts={"clamped": clamped} if clamped else {})
+
+    async def _step(self, req: SandboxRequest, live: _Live) -> SandboxResult:
+        observation = await live.episode.step(req.command)
+        result = live.episode.last_result
+        live.last_used = time.monotonic()
+        return SandboxResult(
+            episode_id=req.episode_id,
+            step=req.step,
+            observation=observation,
+            exit_code=None if result is None else result.exit_code,
+            timed_out=False if result is None else result.timed_out,
+            error="" if result is not None else "max_turns",
+        )
+
+    async def _close(self, req: SandboxRequest, live: _Live) -> SandboxResult:
+        del self.episodes[req.episode_id]
+        facts = await live.episode.finish()
+        self.closed += 1
+        return SandboxResult(episode_id=req.episode_id, step=req.step, observation="", facts=facts)
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        if now < self._next_idle_check:
+            return
+        self._next_idle_check = now + min(1.0, self.settings.idle_timeout_s / 4)
+        idle = [eid for eid, live in self.episodes.items() if now - live.last_used > self.settings.idle_timeout_s]
+        for episode_id in idle:
+            async with self._locks.hold(episode_id):
+                live = self.episodes.get(episode_id)
+                if live is None or time.monotonic() - live.last_used <= self.settings.idle_timeout_s:
+                    continue  # closed or used while we waited for the lock
+                del self.episodes[episode_id]
+                log.info("%s: closing episode %s, idle for %.0fs", self.name, episode_id, now - live.last_used)
+                await live.episode.abandon()
+                self.idle_closed += 1
+
+    async def teardown(self) -> None:
+        episodes, self.episodes = self.episodes, {}
+        try:
+            for live in episodes.values():
+                await live.episode.abandon()
+        finally:
+            await super().teardown()
+
+    def statistics(self) -> dict[str, Any]:
+        stats = super().statistics()
+        stats.update(episodes=len(self.episodes), opened=self.opened, closed=self.closed,
+                     idle_closed=self.idle_closed, replayed=self.replayed, unknown=self.unknown)
+        return stats
+
+
+# -- verification -----------------------------------------------------------------------------------
