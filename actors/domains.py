@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import random
 import re
 import zlib
@@ -508,3 +509,7 @@ register_domain(Domain("math", "answer", make_math, answer_reward, answer_format
 register_domain(Domain("python", "code", make_python, code_reward, fenced_code_format, stop=(), max_new_tokens=64))
 register_domain(Domain("shell", "terminal", make_shell, terminal_reward, shell_format, stop=(), max_new_tokens=24))
 register_domain(Domain("docqa", "answer", make_docqa, answer_reward, one_word_format, stop=(), max_new_tokens=8))
+
+# Domains in their own modules register themselves on import; importing them here keeps DOMAINS the one
+# complete table for every role (imported last: they import this module).
+importlib.import_module("actors.domain_longdoc")

@@ -43,6 +43,8 @@ from actors.domains import DOMAINS, Domain
 from actors.reward import REWARD_STATS_KEY
 from actors.runtime import Runtime
 from engine.actor import Actor
+from engine.config import SchedulerConfig
+from engine.curriculum import LengthCurriculum
 from engine.schemas import Task
 from engine.topics import Names
 
@@ -177,6 +179,24 @@ class Curriculum:
         return level
 
 
+def length_curriculum(cfg: SchedulerConfig) -> LengthCurriculum | None:
+    """The context-length curriculum ``scheduler.length_curriculum`` asks for (None when unset).
+
+    Only domains that can turn a length into a difficulty can be steered; today that is ``longdoc``.
+    """
+    lc = cfg.length_curriculum
+    if lc is None:
+        return None
+    from actors.domain_longdoc import difficulty_for_tokens
+    mappers = {"longdoc": difficulty_for_tokens}
+    unknown = sorted(set(lc.domains) - set(mappers))
+    if unknown:
+        raise ValueError(f"scheduler.length_curriculum.domains: {unknown} have no length mapping; "
+                         f"supported: {sorted(mappers)}")
+    return LengthCurriculum(lc.domains, lc.lengths, threshold=lc.threshold, window=lc.window,
+                            to_difficulty=difficulty_for_tokens)
+
+
 # -- task sources ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -278,6 +298,7 @@ class SchedulerActor(Actor):
         self.sources = {s.name: s for s in sources}
         self.mixer = DomainMixer({n: cfg.domains.get(n, 1.0) for n in self.sources})
         self.curriculum = Curriculum()
+        self.length_curriculum = length_curriculum(cfg)
         self.fixed_difficulty = fixed_difficulty
         self.admission = Admission(batch_size=rt.cfg.learner.batch_size, max_staleness=cfg.max_staleness)
         self.learner = LearnerStatus()
@@ -376,8 +397,8 @@ class SchedulerActor(Actor):
             if name is None:
                 return None
             source = self.sources[name]
-            difficulty = (self.curriculum.difficulty(source.domain) if self.cfg.curriculum and source.domain
-                          else self.fixed_difficulty)
+            difficulty = (self._curriculum_for(source.domain).difficulty(source.domain)
+                          if self.cfg.curriculum and source.domain else self.fixed_difficulty)
             sourced = source.next(difficulty)
             if sourced is None:
                 self.mixer.remove(name)
@@ -434,7 +455,14 @@ class SchedulerActor(Actor):
             if self.cfg.rebalance:
                 self.mixer.rebalance(source.name, stats)
             if self.cfg.curriculum and source.domain:
-                self.curriculum.observe(source.domain, int(stats.get("count", 0)), float(stats.get("success", 0.0)))
+                self._curriculum_for(source.domain).observe(source.domain, int(stats.get("count", 0)),
+                                                             float(stats.get("success", 0.0)))
+
+    def _curriculum_for(self, domain: str) -> "Curriculum | LengthCurriculum":
+        """The length curriculum for the domains it steers, the difficulty curriculum for the rest."""
+        if self.length_curriculum is not None and self.length_curriculum.steers(domain):
+            return self.length_curriculum
+        return self.curriculum
 
     # -- status --------------------------------------------------------------------------------
     async def put_status(self) -> None:
@@ -447,8 +475,10 @@ class SchedulerActor(Actor):
         return {"admitted_samples": self.admitted_samples, "tasks_admitted": self.tasks_admitted,
                 "learner_version": self.learner.version, "done": self.done,
                 "capacity": self.admission.capacity(self.learner.version), "weights": self.mixer.weights,
-                "difficulty": {s.domain: self.curriculum.difficulty(s.domain) for s in self.sources.values()
-                               if s.domain}, "updated_at": time.time()}
+                "difficulty": {s.domain: self._curriculum_for(s.domain).difficulty(s.domain)
+                               for s in self.sources.values() if s.domain},
+                "length_curriculum": self.length_curriculum.state() if self.length_curriculum else {},
+                "updated_at": time.time()}
 
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()

@@ -91,6 +91,19 @@ class NatsConfig(Section):
     """Hard timeout for any single NATS operation (connect, put, get of one chunk)."""
 
 
+class LengthCurriculumConfig(Section):
+    """Context-length curriculum of long-document domains (engine/curriculum.py)."""
+
+    domains: list[str] = Field(default_factory=lambda: ["longdoc"])
+    """Domains whose document length it steers (each must map lengths to difficulty; today: longdoc)."""
+    lengths: list[int] = Field(default_factory=lambda: [1000, 2000, 4000, 8000])
+    """Context lengths in tokens, shortest first."""
+    threshold: float = Field(0.6, gt=0, le=1)
+    """Success rate at the current length that moves a domain to the next length."""
+    window: int = Field(64, ge=1)
+    """Samples drawn at a length before its success rate is judged."""
+
+
 class SchedulerConfig(Section):
     domains: dict[str, float] = Field(default_factory=lambda: {"arith": 1.0})
     """Domain name -> sampling weight (normalised)."""
@@ -106,6 +119,8 @@ class SchedulerConfig(Section):
     """Re-weight domains from observed statistics (zero-variance groups, throughput)."""
     curriculum: bool = True
     """Admit short/easy tasks first and lengthen with the observed success rate."""
+    length_curriculum: LengthCurriculumConfig | None = None
+    """Context-length curriculum for long-document domains (None: off; they follow `curriculum`)."""
 
 
 def _inference_backend(name: str) -> Any:

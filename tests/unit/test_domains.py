@@ -48,7 +48,7 @@ def test_heldout_prompts_are_distinct_and_capped_by_the_space(name: str) -> None
     everything = domain.heldout(10_000, seed=1)  # more than the easiest level's held-out space holds (docqa's is larger)
     prompts = [p for p, _ in everything]
     assert len(prompts) == len(set(prompts)) <= 10_000
-    if name != "docqa":
+    if name not in ("docqa", "longdoc"):  # open-ended prompt spaces
         assert len(prompts) < 10_000
     assert set(p for p, _ in small) <= set(prompts)
 
