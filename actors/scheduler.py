@@ -253,6 +253,35 @@ class JsonlSource:
                            stop=domain.stop if domain else (), max_new_tokens=domain.max_new_tokens if domain else None)
 
 
+class TaskFileSource:
+    """Tasks from a user's task file (:mod:`engine.tasks`), this replica's shard, each issued once.
+
+    ``position`` counts the tasks issued; the scheduler stores it in its status (NATS KV) and restores
+    it on restart, so a restart continues where the last stored status left off.
+    """
+
+    def __init__(self, path: str | Path, *, mapping: dict[str, str] | None = None, replica: int = 0,
+                 replicas: int = 1) -> None:
+        from engine.tasks import TaskFile, shard
+
+        self.path = Path(path)
+        self.name = f"file:{self.path.name}"
+        self.domain: str | None = None
+        self.tasks = shard(TaskFile(self.path, known_domains=DOMAINS, mapping=mapping).tasks, replica, replicas)
+        self.position = 0
+
+    def next(self, difficulty: float) -> SourcedTask | None:
+        if self.position >= len(self.tasks):
+            return None
+        task = self.tasks[self.position]
+        self.position += 1
+        domain = DOMAINS[task.domain]
+        spec = dict(task.spec, task_file_id=task.id)
+        return SourcedTask(domain=task.domain, prompt=task.prompt, spec=spec,
+                           max_turns=task.max_turns or domain.turns(spec), stop=domain.stop,
+                           max_new_tokens=domain.max_new_tokens)
+
+
 # -- the actor -------------------------------------------------------------------------------------
 
 class SchedulerActor(Actor):
@@ -275,8 +304,12 @@ class SchedulerActor(Actor):
             if unknown:
                 raise ValueError(f"scheduler.domains names unknown domains {unknown}; known: {sorted(DOMAINS)}")
             sources = [GeneratorSource(DOMAINS[d], cfg.seed) for d in cfg.domains]
+            if cfg.task_files:
+                sources = [TaskFileSource(path, mapping=cfg.task_fields, replica=cfg.replica, replicas=cfg.replicas)
+                           for path in cfg.task_files]
         self.sources = {s.name: s for s in sources}
-        self.mixer = DomainMixer({n: cfg.domains.get(n, 1.0) for n in self.sources})
+        file_weights = {f"file:{Path(p).name}": w for p, w in cfg.task_files.items()}
+        self.mixer = DomainMixer({n: file_weights.get(n, cfg.domains.get(n, 1.0)) for n in self.sources})
         self.curriculum = Curriculum()
         self.fixed_difficulty = fixed_difficulty
         self.admission = Admission(batch_size=rt.cfg.learner.batch_size, max_staleness=cfg.max_staleness)
@@ -297,6 +330,9 @@ class SchedulerActor(Actor):
             status = json.loads(saved)
             self.admitted_samples = int(status.get("admitted_samples", 0))
             self.tasks_admitted = int(status.get("tasks_admitted", 0))
+            for name, position in status.get("source_positions", {}).items():
+                if isinstance(self.sources.get(name), TaskFileSource):
+                    self.sources[name].position = int(position)
             log.info("%s: resuming at %d tasks / %d samples admitted", self.name, self.tasks_admitted,
                      self.admitted_samples)
         self.learner = LearnerStatus.from_json(await self.rt.require_nats().kv_get(self._bucket,
@@ -448,7 +484,9 @@ class SchedulerActor(Actor):
                 "learner_version": self.learner.version, "done": self.done,
                 "capacity": self.admission.capacity(self.learner.version), "weights": self.mixer.weights,
                 "difficulty": {s.domain: self.curriculum.difficulty(s.domain) for s in self.sources.values()
-                               if s.domain}, "updated_at": time.time()}
+                               if s.domain},
+                "source_positions": {n: s.position for n, s in self.sources.items() if isinstance(s, TaskFileSource)},
+                "updated_at": time.time()}
 
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()

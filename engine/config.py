@@ -106,6 +106,15 @@ class SchedulerConfig(Section):
     """Re-weight domains from observed statistics (zero-variance groups, throughput)."""
     curriculum: bool = True
     """Admit short/easy tasks first and lengthen with the observed success rate."""
+    task_files: dict[str, float] = Field(default_factory=dict)
+    """Users' task files (JSONL, Parquet or saved HF dataset dir; see docs/tasks.md) -> mixing weight.
+    When set, the scheduler issues these tasks (each once) instead of the ``domains`` generators."""
+    task_fields: dict[str, str] = Field(default_factory=dict)
+    """Field mapping for ``task_files``: task field (prompt, answer, ...) -> the files' column name."""
+    replica: int = Field(0, ge=0)
+    """This scheduler's index among ``replicas``: it issues task-file rows replica, replica+n, ..."""
+    replicas: int = Field(1, ge=1)
+    """How many scheduler replicas share the ``task_files``."""
 
 
 class InferenceConfig(Section):

@@ -110,3 +110,17 @@ def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     bad = _jsonl(tmp_path / "bad.jsonl", [{"domain": "math", "prompt": "x"}])
     assert cli_main(["tasks", "validate", str(bad)]) == 1
     assert "bad.jsonl:1: field 'answer' is missing" in capsys.readouterr().err
+
+
+def test_scheduler_task_file_source_shards_and_resumes(tmp_path: Path) -> None:
+    from actors.scheduler import TaskFileSource
+
+    rows = [{"id": f"q{i}", "domain": "math", "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    path = _jsonl(tmp_path / "mine.jsonl", rows)
+    src = TaskFileSource(path, replica=1, replicas=2)
+    first = src.next(0.0)
+    assert first is not None and (first.domain, first.spec["answer"], first.spec["task_file_id"]) == ("math", "2", "q1")
+    restarted = TaskFileSource(path, replica=1, replicas=2)
+    restarted.position = src.position
+    assert [restarted.next(0.0).spec["task_file_id"] for _ in range(2)] == ["q3", "q5"]
+    assert restarted.next(0.0) is None
