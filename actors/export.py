@@ -78,6 +78,44 @@ def read_position(out: Path) -> dict[tuple[str, int], int]:
     return {(k.rsplit(":", 1)[0], int(k.rsplit(":", 1)[1])): int(v) for k, v in raw.items()}
 
 
+def _write_parquet_part(out: Path, rows: list[dict[str, Any]]) -> None:
+    """One Parquet part file per batch in the directory ``out`` (``load_dataset("parquet", data_files=out/*)``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob("part-*.parquet")))
+    tmp = out / f".part-{n:06d}.parquet.tmp"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, out / f"part-{n:06d}.parquet")
+
+
+async def export_parquet(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
+                         idle_s: float = 3.0) -> tuple[int, int]:
+    """Like :func:`export_jsonl`, into the directory ``out`` as Parquet part files (one per batch read)."""
+    start = read_position(out)
+    offsets = dict(start)
+    read = written = 0
+    consumer = Consumer(cfg, assign_topics=[topic], start_offsets=start or None, expect=(Experience.SCHEMA,))
+    async with consumer:
+        while records := await consumer.getmany(timeout_s=idle_s):
+            rows = []
+            for rec in records:
+                read += 1
+                offsets[(rec.topic, rec.partition)] = rec.offset + 1
+                if isinstance(rec.message, Experience) and flt.keep(rec.message, rec.timestamp_ms):
+                    rows.append(experience_row(rec.message, trace=rec.traceparent, timestamp_ms=rec.timestamp_ms))
+            if rows:
+                try:
+                    _write_parquet_part(out, rows)
+                except OSError as exc:
+                    raise ExportError(f"{out}: write failed after {written} rows this run "
+                                      f"({exc.strerror or exc}); earlier part files are kept") from None
+            written += len(rows)
+            _write_position(out, offsets)
+    return read, written
+
+
 async def export_jsonl(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
                        idle_s: float = 3.0) -> tuple[int, int]:
     """Append the records of ``topic`` after the stored position to ``out``; returns (read, written).

@@ -1,4 +1,4 @@
-"""`rollout export --config C --out F.jsonl`: trajectories from the experience log to JSONL (resumable)."""
+"""`rollout export --config C --out F.jsonl`: trajectories from the experience log to JSONL or Parquet (resumable)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-version", type=int)
     parser.add_argument("--since-ms", type=int, help="record timestamp lower bound (ms since the epoch)")
     parser.add_argument("--until-ms", type=int)
+    parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
+                        help="jsonl: one file; parquet: --out is a directory of part files")
     parser.add_argument("--idle-s", type=float, default=3.0, help="stop after this long with no new record")
     parser.set_defaults(func=_export)
 
@@ -24,7 +26,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 def _export(args: argparse.Namespace) -> int:
     import anyio
 
-    from actors.export import ExportError, ExportFilter, export_jsonl
+    from actors.export import ExportError, ExportFilter, export_jsonl, export_parquet
     from engine.config import load_config
     from engine.topics import Names
 
@@ -34,7 +36,7 @@ def _export(args: argparse.Namespace) -> int:
                        until_ms=args.until_ms)
     topic = Names(cfg.namespace).experience
     try:
-        read, written = anyio.run(lambda: export_jsonl(cfg.kafka, topic, Path(args.out), flt, idle_s=args.idle_s))
+        read, written = anyio.run(lambda: (export_parquet if args.format == "parquet" else export_jsonl)(cfg.kafka, topic, Path(args.out), flt, idle_s=args.idle_s))
     except ExportError as exc:
         print(f"rollout export: {exc}", file=sys.stderr)
         return 1

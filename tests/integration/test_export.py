@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.export import ExportError, ExportFilter, export_jsonl, position_path
+from actors.export import ExportError, ExportFilter, export_jsonl, export_parquet, position_path
 from engine.config import KafkaConfig
 from engine.schemas import Experience
 from streams.kafka import Producer, ensure_topics
@@ -44,6 +44,13 @@ async def test_export_filters_resumes_and_loads_with_datasets(
     ds = datasets.load_dataset("json", data_files=str(out), split="train", cache_dir=str(tmp_path / "hf"))
     assert ds["sample_id"] == ["a", "d"] and ds["weight_versions"] == [[0, 0], [2, 2]]
     assert ds["logprobs"][0] == [-1.5, -1.5] and json.loads(ds["facts"][0]) == {"answer": "5"}
+
+    parquet = tmp_path / "traj-parquet"
+    assert await export_parquet(cfg, topic, parquet, flt, idle_s=2.0) == (4, 2)
+    assert await export_parquet(cfg, topic, parquet, flt, idle_s=1.0) == (0, 0)
+    pq = datasets.load_dataset("parquet", data_files=str(parquet / "*.parquet"), split="train",
+                               cache_dir=str(tmp_path / "hf2"))
+    assert sorted(pq["sample_id"]) == ["a", "d"]
 
     with pytest.raises(ExportError, match="cannot open for writing"):
         await export_jsonl(cfg, topic, tmp_path / "missing-dir" / "x.jsonl", flt, idle_s=0.5)
