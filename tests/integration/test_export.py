@@ -54,3 +54,33 @@ async def test_export_filters_resumes_and_loads_with_datasets(
 
     with pytest.raises(ExportError, match="cannot open for writing"):
         await export_jsonl(cfg, topic, tmp_path / "missing-dir" / "x.jsonl", flt, idle_s=0.5)
+
+
+async def test_export_cli_writes_rows_and_fails_clearly_on_a_bad_path(
+        kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    cfg = KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1)
+    topic = f"{unique_name}.rollout.experience"
+    await ensure_topics(cfg, {topic: 1})
+    async with Producer(cfg, producer_id="export-cli-test") as producer:
+        for exp in (_exp("a", "math", 1.0, 0), _exp("b", "math", 0.0, 0)):
+            await producer.send(topic, exp, key=exp.task_id)
+    config = tmp_path / "c.toml"
+    config.write_text(f'namespace = "{unique_name}"\n[kafka]\nbootstrap = "{kafka_bootstrap}"\n')
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+
+    def export(out: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ops.cli", "export", "--config", str(config), "--out", str(out),
+                               "--min-reward", "0.5", "--idle-s", "2"], capture_output=True, text=True, env=env,
+                              timeout=120)
+
+    ok = export(tmp_path / "t.jsonl")
+    assert ok.returncode == 0, ok.stderr
+    assert f"1 rows written (2 records read from {topic})" in ok.stdout
+    assert [json.loads(line)["sample_id"] for line in (tmp_path / "t.jsonl").read_text().splitlines()] == ["a"]
+    bad = export(tmp_path / "no-dir" / "t.jsonl")
+    assert bad.returncode == 1 and "rollout export:" in bad.stderr and "cannot open for writing" in bad.stderr
+    assert "Traceback" not in bad.stderr
