@@ -305,6 +305,9 @@ class SchedulerActor(Actor):
                 raise ValueError(f"scheduler.domains names unknown domains {unknown}; known: {sorted(DOMAINS)}")
             sources = [GeneratorSource(DOMAINS[d], cfg.seed) for d in cfg.domains]
             if cfg.task_files:
+                names = [Path(p).name for p in cfg.task_files]
+                if len(set(names)) != len(names):
+                    raise ValueError(f"scheduler.task_files: file names must differ (positions are kept by name): {names}")
                 sources = [TaskFileSource(path, mapping=cfg.task_fields, replica=cfg.replica, replicas=cfg.replicas)
                            for path in cfg.task_files]
         self.sources = {s.name: s for s in sources}
