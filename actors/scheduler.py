@@ -273,6 +273,35 @@ class JsonlSource:
                            stop=domain.stop if domain else (), max_new_tokens=domain.max_new_tokens if domain else None)
 
 
+class TaskFileSource:
+    """Tasks from a user's task file (:mod:`engine.tasks`), this replica's shard, each issued once.
+
+    ``position`` counts the tasks issued; the scheduler stores it in its status (NATS KV) and restores
+    it on restart, so a restart continues where the last stored status left off.
+    """
+
+    def __init__(self, path: str | Path, *, mapping: dict[str, str] | None = None, replica: int = 0,
+                 replicas: int = 1) -> None:
+        from engine.tasks import TaskFile, shard
+
+        self.path = Path(path)
+        self.name = f"file:{self.path.name}"
+        self.domain: str | None = None
+        self.tasks = shard(TaskFile(self.path, known_domains=DOMAINS, mapping=mapping).tasks, replica, replicas)
+        self.position = 0
+
+    def next(self, difficulty: float) -> SourcedTask | None:
+        if self.position >= len(self.tasks):
+            return None
+        task = self.tasks[self.position]
+        self.position += 1
+        domain = DOMAINS[task.domain]
+        spec = dict(task.spec, task_file_id=task.id)
+        return SourcedTask(domain=task.domain, prompt=task.prompt, spec=spec,
+                           max_turns=task.max_turns or domain.turns(spec), stop=domain.stop,
+                           max_new_tokens=domain.max_new_tokens)
+
+
 # -- the actor -------------------------------------------------------------------------------------
 
 class SchedulerActor(Actor):
@@ -295,8 +324,15 @@ class SchedulerActor(Actor):
             if unknown:
                 raise ValueError(f"scheduler.domains names unknown domains {unknown}; known: {sorted(DOMAINS)}")
             sources = [GeneratorSource(DOMAINS[d], cfg.seed) for d in cfg.domains]
+            if cfg.task_files:
+                names = [Path(p).name for p in cfg.task_files]
+                if len(set(names)) != len(names):
+                    raise ValueError(f"scheduler.task_files: file names must differ (positions are kept by name): {names}")
+                sources = [TaskFileSource(path, mapping=cfg.task_fields, replica=cfg.replica, replicas=cfg.replicas)
+                           for path in cfg.task_files]
         self.sources = {s.name: s for s in sources}
-        self.mixer = DomainMixer({n: cfg.domains.get(n, 1.0) for n in self.sources})
+        file_weights = {f"file:{Path(p).name}": w for p, w in cfg.task_files.items()}
+        self.mixer = DomainMixer({n: file_weights.get(n, cfg.domains.get(n, 1.0)) for n in self.sources})
         self.curriculum = Curriculum()
         self.length_curriculum = length_curriculum(cfg)
         self.fixed_difficulty = fixed_difficulty
@@ -318,6 +354,9 @@ class SchedulerActor(Actor):
             status = json.loads(saved)
             self.admitted_samples = int(status.get("admitted_samples", 0))
             self.tasks_admitted = int(status.get("tasks_admitted", 0))
+            for name, position in status.get("source_positions", {}).items():
+                if isinstance(self.sources.get(name), TaskFileSource):
+                    self.sources[name].position = int(position)
             log.info("%s: resuming at %d tasks / %d samples admitted", self.name, self.tasks_admitted,
                      self.admitted_samples)
         self.learner = LearnerStatus.from_json(await self.rt.require_nats().kv_get(self._bucket,
@@ -478,6 +517,7 @@ class SchedulerActor(Actor):
                 "difficulty": {s.domain: self._curriculum_for(s.domain).difficulty(s.domain)
                                for s in self.sources.values() if s.domain},
                 "length_curriculum": self.length_curriculum.state() if self.length_curriculum else {},
+                "source_positions": {n: s.position for n, s in self.sources.items() if isinstance(s, TaskFileSource)},
                 "updated_at": time.time()}
 
     def statistics(self) -> dict[str, Any]:

@@ -121,6 +121,15 @@ class SchedulerConfig(Section):
     """Admit short/easy tasks first and lengthen with the observed success rate."""
     length_curriculum: LengthCurriculumConfig | None = None
     """Context-length curriculum for long-document domains (None: off; they follow `curriculum`)."""
+    task_files: dict[str, float] = Field(default_factory=dict)
+    """Users' task files (JSONL, Parquet or saved HF dataset dir; see docs/tasks.md) -> mixing weight.
+    When set, the scheduler issues these tasks (each once) instead of the ``domains`` generators."""
+    task_fields: dict[str, str] = Field(default_factory=dict)
+    """Field mapping for ``task_files``: task field (prompt, answer, ...) -> the files' column name."""
+    replica: int = Field(0, ge=0)
+    """This scheduler's index among ``replicas``: it issues task-file rows replica, replica+n, ..."""
+    replicas: int = Field(1, ge=1)
+    """How many scheduler replicas share the ``task_files``."""
 
 
 def _inference_backend(name: str) -> Any:

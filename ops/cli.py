@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "loadtest": ("ops.cli_loadtest", "load tests: sandboxes, soak"),
     "model": ("ops.cli_model", "prepare real models (fetch, convert, cache) and check model directories"),
     "demo": ("ops.cli_demo", "the main job: a short real RL run on the local stack"),
+    "export": ("ops.cli_export", "export trajectories from the experience log to JSONL (filtered, resumable)"),
+    "tasks": ("ops.cli_tasks", "validate and preview users' task files (JSONL, Parquet, HF datasets)"),
 }
 
 

@@ -1,0 +1,44 @@
+"""`rollout export --config C --out F.jsonl`: trajectories from the experience log to JSONL or Parquet (resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="the deployment's TOML config (Kafka and namespace)")
+    parser.add_argument("--out", required=True, help="output JSONL; <out>.position.json beside it resumes")
+    parser.add_argument("--domain", action="append", default=[], help="keep only this domain (repeatable)")
+    parser.add_argument("--min-reward", type=float)
+    parser.add_argument("--max-reward", type=float)
+    parser.add_argument("--min-version", type=int, help="oldest weight version of the sample's tokens")
+    parser.add_argument("--max-version", type=int)
+    parser.add_argument("--since-ms", type=int, help="record timestamp lower bound (ms since the epoch)")
+    parser.add_argument("--until-ms", type=int)
+    parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
+                        help="jsonl: one file; parquet: --out is a directory of part files")
+    parser.add_argument("--idle-s", type=float, default=3.0, help="stop after this long with no new record")
+    parser.set_defaults(func=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    import anyio
+
+    from actors.export import ExportError, ExportFilter, export_jsonl, export_parquet
+    from engine.config import load_config
+    from engine.topics import Names
+
+    cfg = load_config(args.config)
+    flt = ExportFilter(domains=frozenset(args.domain), min_reward=args.min_reward, max_reward=args.max_reward,
+                       min_version=args.min_version, max_version=args.max_version, since_ms=args.since_ms,
+                       until_ms=args.until_ms)
+    topic = Names(cfg.namespace).experience
+    try:
+        read, written = anyio.run(lambda: (export_parquet if args.format == "parquet" else export_jsonl)(cfg.kafka, topic, Path(args.out), flt, idle_s=args.idle_s))
+    except ExportError as exc:
+        print(f"rollout export: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.out}: {written} rows written ({read} records read from {topic})")
+    return 0

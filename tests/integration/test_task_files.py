@@ -1,0 +1,56 @@
+"""A user's task file through the real scheduler, broker and NATS KV: each row issued once across a restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+
+from actors.runtime import Runtime
+from actors.scheduler import SCHEDULER_STATUS_KEY, SchedulerActor
+from engine.config import EngineConfig, KafkaConfig, LearnerConfig, NatsConfig, SchedulerConfig
+from engine.schemas import Task
+from streams.kafka import Consumer
+
+pytestmark = pytest.mark.anyio
+
+
+def _cfg(kafka: str, nats: str, namespace: str, path: Path, max_tasks: int) -> EngineConfig:
+    return EngineConfig(
+        namespace=namespace, kafka=KafkaConfig(bootstrap=kafka, default_partitions=1), nats=NatsConfig(url=nats),
+        learner=LearnerConfig(batch_size=64),
+        scheduler=SchedulerConfig(task_files={str(path): 1.0}, group_size=1, max_tasks=max_tasks))
+
+
+async def test_task_file_rows_issued_once_across_a_restart(
+        kafka_bootstrap: str, nats_url: str, unique_name: str, tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    rows = [{"id": f"q{i}", "domain": "math", "prompt": f"What is {i} + 1? Answer with just the number.",
+             "answer": str(i + 1)} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    first_cfg = _cfg(kafka_bootstrap, nats_url, unique_name, path, max_tasks=4)
+    async with Runtime(first_cfg) as rt:
+        with anyio.fail_after(30):
+            await SchedulerActor(rt).run()  # stops after max_tasks=4
+        saved = json.loads(await rt.require_nats().kv_get(rt.names.bucket(first_cfg.nats.kv_bucket),
+                                                          SCHEDULER_STATUS_KEY) or b"{}")
+        assert saved["source_positions"] == {"file:mine.jsonl": 4}
+
+    again_cfg = _cfg(kafka_bootstrap, nats_url, unique_name, path, max_tasks=100)
+    async with Runtime(again_cfg) as rt:
+        actor = SchedulerActor(rt)
+        with anyio.fail_after(30):
+            await actor.run()  # resumes at row 5 and stops when the file is exhausted
+        assert actor.done and actor.tasks_admitted == 6
+        tasks: list[Task] = []
+        out = Consumer(again_cfg.kafka, assign=[(rt.names.tasks, 0)], expect=(Task.SCHEMA,))
+        async with out:
+            with anyio.fail_after(30):
+                while len(tasks) < 6:
+                    tasks.extend(r.message for r in await out.getmany(timeout_s=0.2))
+            assert not await out.getmany(timeout_s=1.0)  # nothing beyond the six rows
+    assert [t.spec["task_file_id"] for t in tasks] == [f"q{i}" for i in range(6)]
+    assert all(t.domain == "math" and t.spec["answer"] == str(int(t.spec["task_file_id"][1:]) + 1) for t in tasks)

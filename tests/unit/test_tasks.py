@@ -1,0 +1,126 @@
+"""Users' task files: reading JSONL/Parquet/HF dirs, validation errors, mixing, sharding, resumption."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.tasks import TaskFile, TaskFileError, WeightedMix, shard
+from ops.cli import main as cli_main
+
+KNOWN = ["math", "python"]
+ROWS = [
+    {"id": "a", "domain": "math", "prompt": "What is 2 + 3? Answer with just the number.", "answer": 5},
+    {"id": "b", "domain": "python", "messages": [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "Write f(x) returning x."}],
+     "tests": [{"name": "t", "code": "from solution import f\nassert f(1) == 1\n"}]},
+    {"domain": "math", "prompt": "What is 1 + 1?", "answer": "2", "metadata": {"src": "user"}},
+]
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_jsonl_fields_are_mapped_to_specs(tmp_path: Path) -> None:
+    tf = TaskFile(_jsonl(tmp_path / "t.jsonl", ROWS), known_domains=KNOWN)
+    a, b, c = tf.tasks
+    assert (a.id, a.domain, a.spec) == ("a", "math", {"answer": "5"})
+    assert b.prompt == "Write f(x) returning x." and len(b.messages) == 2 and "tests" in b.spec
+    assert c.id == "t.jsonl:3" and c.metadata == {"src": "user"} and c.row == 3
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([ROWS[0], "{not json"], r"t.jsonl:2: malformed JSON"),
+    ([dict(ROWS[0], colour="red")], r"t.jsonl:1: unknown field\(s\) \['colour'\]"),
+    ([{"domain": "math", "prompt": "x?"}], r"t.jsonl:1: field 'answer' is missing"),
+    ([ROWS[0], ROWS[0]], r"t.jsonl:2: field 'id': duplicate id 'a' \(first on row 1\)"),
+    ([dict(ROWS[0], domain="chess")], r"t.jsonl:1: field 'domain': unknown domain 'chess'"),
+    ([{"domain": "math", "answer": "1"}], r"t.jsonl:1: field 'prompt'"),
+])
+def test_bad_rows_name_line_and_field(tmp_path: Path, rows: list, message: str) -> None:
+    with pytest.raises(TaskFileError, match=message):
+        TaskFile(_jsonl(tmp_path / "t.jsonl", rows), known_domains=KNOWN)
+
+
+def test_parquet_with_field_mapping(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"question": ["What is 4 + 4?", "What is 9 - 1?"], "solution": ["8", "8"]}), path)
+    tf = TaskFile(path, known_domains=KNOWN, default_domain="math", mapping={"prompt": "question", "answer": "solution"})
+    assert [(t.prompt, t.spec["answer"], t.id) for t in tf.tasks] == [
+        ("What is 4 + 4?", "8", "t.parquet:1"), ("What is 9 - 1?", "8", "t.parquet:2")]
+
+
+def test_saved_hf_dataset_directory(tmp_path: Path) -> None:
+    import datasets
+
+    datasets.Dataset.from_list([{"id": "q1", "domain": "math", "prompt": "What is 3 * 3?", "answer": "9"}]).save_to_disk(
+        str(tmp_path / "ds"))
+    (task,) = TaskFile(tmp_path / "ds", known_domains=KNOWN).tasks
+    assert (task.id, task.spec) == ("q1", {"answer": "9"})
+
+
+def test_shards_are_disjoint_and_cover_everything(tmp_path: Path) -> None:
+    rows = [{"id": str(i), "domain": "math", "prompt": f"{i}?", "answer": str(i)} for i in range(10)]
+    tasks = TaskFile(_jsonl(tmp_path / "t.jsonl", rows), known_domains=KNOWN).tasks
+    shares = [[t.id for t in shard(tasks, i, 3)] for i in range(3)]
+    assert sorted(sum(shares, [])) == sorted(str(i) for i in range(10))
+    assert all(not set(x) & set(y) for i, x in enumerate(shares) for y in shares[i + 1:])
+    with pytest.raises(ValueError, match="replica 3 of 3"):
+        shard(tasks, 3, 3)
+
+
+def _tasks(prefix: str, n: int, tmp_path: Path) -> list:
+    rows = [{"id": f"{prefix}{i}", "domain": "math", "prompt": f"{i}?", "answer": "1"} for i in range(n)]
+    return TaskFile(_jsonl(tmp_path / f"{prefix}.jsonl", rows), known_domains=KNOWN).tasks
+
+
+def test_weighted_mix_follows_weights_and_resumes_exactly(tmp_path: Path) -> None:
+    sources = {"big": _tasks("b", 400, tmp_path), "small": _tasks("s", 400, tmp_path)}
+    mix = WeightedMix(sources, {"big": 3.0, "small": 1.0}, seed=7)
+    first = [mix.next() for _ in range(200)]
+    assert 120 <= sum(name == "big" for name, _ in first) <= 180
+    saved = dict(mix.positions)
+    rest_original = [mix.next()[1].id for _ in range(100)]
+    resumed = WeightedMix(sources, {"big": 3.0, "small": 1.0}, seed=7, positions=saved)
+    assert [resumed.next()[1].id for _ in range(100)] == rest_original
+    ids = [t.id for _, t in first] + rest_original
+    assert len(ids) == len(set(ids))
+
+
+def test_weighted_mix_drains_every_source_once(tmp_path: Path) -> None:
+    sources = {"x": _tasks("x", 5, tmp_path), "y": _tasks("y", 2, tmp_path)}
+    mix = WeightedMix(sources, {"x": 1.0, "y": 100.0})
+    drawn = []
+    while (item := mix.next()) is not None:
+        drawn.append(item[1].id)
+    assert sorted(drawn) == sorted([f"x{i}" for i in range(5)] + ["y0", "y1"])
+
+
+def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = _jsonl(tmp_path / "good.jsonl", [{"domain": "math", "prompt": "What is 1 + 2?", "answer": "3"}])
+    assert cli_main(["tasks", "validate", str(good)]) == 0
+    assert "1 tasks OK (math 1)" in capsys.readouterr().out
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"domain": "math", "prompt": "x"}])
+    assert cli_main(["tasks", "validate", str(bad)]) == 1
+    assert "bad.jsonl:1: field 'answer' is missing" in capsys.readouterr().err
+
+
+def test_scheduler_task_file_source_shards_and_resumes(tmp_path: Path) -> None:
+    from actors.scheduler import TaskFileSource
+
+    rows = [{"id": f"q{i}", "domain": "math", "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    path = _jsonl(tmp_path / "mine.jsonl", rows)
+    src = TaskFileSource(path, replica=1, replicas=2)
+    first = src.next(0.0)
+    assert first is not None and (first.domain, first.spec["answer"], first.spec["task_file_id"]) == ("math", "2", "q1")
+    restarted = TaskFileSource(path, replica=1, replicas=2)
+    restarted.position = src.position
+    assert [restarted.next(0.0).spec["task_file_id"] for _ in range(2)] == ["q3", "q5"]
+    assert restarted.next(0.0) is None
