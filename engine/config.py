@@ -20,6 +20,7 @@ import os
 import ssl
 import tomllib
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
@@ -316,7 +317,7 @@ class EngineConfig(Section):
     namespace: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     """Prefix of every topic, bucket and subject, so several runs can share a cluster."""
     roles: list[Literal["scheduler", "inference", "sandbox", "reward", "learner"]] = Field(
-        default_factory=lambda: list(ROLES))
+        default_factory=lambda: list(ROLES))  # type: ignore[arg-type]  # ROLES is the same five literals, typed tuple[str, ...]
     """Roles this process runs (the CLI's --role overrides)."""
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     nats: NatsConfig = Field(default_factory=NatsConfig)
@@ -456,7 +457,7 @@ def _parse_env_value(raw: str) -> Any:
         return raw
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Nested dict of overrides from ``ROLLOUT__SECTION__FIELD`` variables."""
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}

@@ -136,10 +136,10 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _array_kind(hint: Any) -> type | None:
     if hint in ARRAY_DTYPES:
-        return hint
+        return typing.cast(type, hint)
     for arg in typing.get_args(hint):
         if arg in ARRAY_DTYPES:
-            return arg
+            return typing.cast(type, arg)
     return None
 
 

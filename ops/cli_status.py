@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeGuard
 
 RATE_KEYS: dict[str, str] = {
     "tasks_admitted": "tasks",
@@ -256,7 +256,7 @@ def render(snapshot: dict[str, Any], *, width: int = 120, color: bool = False, t
     return "\n".join(lines)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
