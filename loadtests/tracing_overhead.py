@@ -381,7 +381,7 @@ class Stage(abc.ABC):
     async def _count(self, results: Consumer) -> None:
         while True:
             for r in await results.getmany(timeout_s=0.1):
-                prefix = r.message.task_id.rsplit("-", 1)[0]  # type: ignore[union-attr]
+                prefix = r.message.task_id.rsplit("-", 1)[0]  # type: ignore[attr-defined]  # results carry a task_id
                 if prefix in self.seen:
                     self.seen[prefix] += 1
                 r.ack()
