@@ -27,7 +27,8 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
                       model_validator)
 
 ENV_PREFIX = "ROLLOUT__"
-ROLES = ("scheduler", "inference", "sandbox", "reward", "learner")
+ROLES: tuple[Literal["scheduler", "inference", "sandbox", "reward", "learner"], ...] = (
+    "scheduler", "inference", "sandbox", "reward", "learner")
 INFERENCE_API_KEY_ENV = ENV_PREFIX + "INFERENCE__API_KEY"
 """The variable of `inference.api_key`, which `rollout inference serve` reads too: one secret, both sides."""
 
@@ -317,7 +318,7 @@ class EngineConfig(Section):
     namespace: str = Field("default", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     """Prefix of every topic, bucket and subject, so several runs can share a cluster."""
     roles: list[Literal["scheduler", "inference", "sandbox", "reward", "learner"]] = Field(
-        default_factory=lambda: list(ROLES))  # type: ignore[arg-type]  # ROLES is the same five literals, typed tuple[str, ...]
+        default_factory=lambda: list(ROLES))
     """Roles this process runs (the CLI's --role overrides)."""
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     nats: NatsConfig = Field(default_factory=NatsConfig)
