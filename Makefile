@@ -13,10 +13,12 @@ demo: setup
 	$(ROLLOUT) infra up --bwrap
 	$(ROLLOUT) demo
 
-# Static check (unused names, undefined names), then the suite; the integration fixtures start a
+# Static checks (pyflakes: unused and undefined names; mypy: types, paths and strictness from
+# pyproject.toml), then the suite; the integration fixtures start a
 # private broker, nats-server and Docker engine as needed.
 test: setup
 	$(PYTHON) -m pyflakes engine actors sandboxes streams ops tests loadtests
+	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest tests -q
 
 down:

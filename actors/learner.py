@@ -160,6 +160,7 @@ class LearnerActor(Actor):
         if self.rt.cfg.learner.torch_threads:
             torch.set_num_threads(self.rt.cfg.learner.torch_threads)
         self.learner, self.tokenizer = await anyio.to_thread.run_sync(self._load)
+        assert self.learner is not None
         self._audit([{"event": "start", "life": self._life, "step": self.learner.step_count,
                       "version": self.learner.version,
                       "resumed_from": self.resumed_from.name if self.resumed_from else None}])

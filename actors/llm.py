@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 from tokenizers import Tokenizer, decoders, models
@@ -179,14 +180,15 @@ def render_observation(tokenizer: PreTrainedTokenizerBase, observation: str, *, 
     only what the template writes after that token follows.
     """
     base = [{"role": "system", "content": "s"}]
-    before = tokenizer.apply_chat_template(base + [{"role": "assistant", "content": "\x00"}], tokenize=False)
+    before = cast(str, tokenizer.apply_chat_template(base + [{"role": "assistant", "content": "\x00"}],
+                                                     tokenize=False))
     closing = before.split("\x00", 1)[1]  # what the template writes after an assistant message
     eos = tokenizer.eos_token or ""
     if ended_turn and eos and closing.startswith(eos):
         closing = closing[len(eos):]
-    start = tokenizer.apply_chat_template(base, tokenize=False)
-    turn = tokenizer.apply_chat_template(base + [{"role": "user", "content": observation}], tokenize=False,
-                                         add_generation_prompt=True)
+    start = cast(str, tokenizer.apply_chat_template(base, tokenize=False))
+    turn = cast(str, tokenizer.apply_chat_template(base + [{"role": "user", "content": observation}], tokenize=False,
+                                              add_generation_prompt=True))
     if not turn.startswith(start):
         raise ValueError("the chat template renders a conversation's prefix differently once a turn is added")
     return list(tokenizer.encode(closing + turn[len(start):], add_special_tokens=False))

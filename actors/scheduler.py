@@ -442,7 +442,7 @@ class SchedulerActor(Actor):
             if sourced is None:
                 self.mixer.remove(name)
                 continue
-            sampling = {"max_new_tokens": sourced.max_new_tokens or self.rt.cfg.inference.max_new_tokens,
+            sampling: dict[str, Any] = {"max_new_tokens": sourced.max_new_tokens or self.rt.cfg.inference.max_new_tokens,
                         "temperature": self.rt.cfg.inference.temperature}
             if sourced.stop:
                 sampling["stop"] = list(sourced.stop)

@@ -96,7 +96,7 @@ class RestartPolicy:
     backoff_max_s: float = 10.0
 
     def backoff(self, attempt: int) -> float:
-        return min(self.backoff_max_s, self.backoff_initial_s * (2 ** max(0, attempt - 1)))
+        return min(self.backoff_max_s, self.backoff_initial_s * (2.0 ** max(0, attempt - 1)))
 
 
 class ActorSpec(NamedTuple):

@@ -20,13 +20,15 @@ import os
 import ssl
 import tomllib
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
 ENV_PREFIX = "ROLLOUT__"
-ROLES = ("scheduler", "inference", "sandbox", "reward", "learner")
+ROLES: tuple[Literal["scheduler", "inference", "sandbox", "reward", "learner"], ...] = (
+    "scheduler", "inference", "sandbox", "reward", "learner")
 INFERENCE_API_KEY_ENV = ENV_PREFIX + "INFERENCE__API_KEY"
 """The variable of `inference.api_key`, which `rollout inference serve` reads too: one secret, both sides."""
 
@@ -504,7 +506,7 @@ def _parse_env_value(raw: str) -> Any:
         return raw
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Nested dict of overrides from ``ROLLOUT__SECTION__FIELD`` variables."""
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}

@@ -36,20 +36,25 @@ class SchemaError(ValueError):
         self.problem = problem
 
 
-class TokenArray(np.ndarray):
-    """Marker type for an int32 array field (packed on the wire)."""
+if typing.TYPE_CHECKING:
+    # To the type checker a marker is any array: messages convert what they are given (``as_array``),
+    # and numpy's own functions return plain ndarrays, never a marker subclass.
+    TokenArray: typing.TypeAlias = np.ndarray[Any, Any]
+    LogprobArray: typing.TypeAlias = np.ndarray[Any, Any]
+    MaskArray: typing.TypeAlias = np.ndarray[Any, Any]
+    VersionArray: typing.TypeAlias = np.ndarray[Any, Any]
+else:
+    class TokenArray(np.ndarray):
+        """Marker type for an int32 array field (packed on the wire)."""
 
+    class LogprobArray(np.ndarray):
+        """Marker type for a float32 array field (packed on the wire)."""
 
-class LogprobArray(np.ndarray):
-    """Marker type for a float32 array field (packed on the wire)."""
+    class MaskArray(np.ndarray):
+        """Marker type for a uint8 array field (packed on the wire)."""
 
-
-class MaskArray(np.ndarray):
-    """Marker type for a uint8 array field (packed on the wire)."""
-
-
-class VersionArray(np.ndarray):
-    """Marker type for an int32 per-token weight-version array (packed on the wire)."""
+    class VersionArray(np.ndarray):
+        """Marker type for an int32 per-token weight-version array (packed on the wire)."""
 
 
 ARRAY_DTYPES: dict[type, np.dtype] = {
@@ -136,10 +141,10 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _array_kind(hint: Any) -> type | None:
     if hint in ARRAY_DTYPES:
-        return hint
+        return typing.cast(type, hint)
     for arg in typing.get_args(hint):
         if arg in ARRAY_DTYPES:
-            return arg
+            return typing.cast(type, arg)
     return None
 
 

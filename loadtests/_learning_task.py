@@ -70,7 +70,7 @@ def heldout_accuracy(model_dir: str | Path, tokenizer_dir: str | Path, *, tasks:
     model.eval()
     held = heldout_tasks(tasks)
     torch.manual_seed(seed)
-    right = total = 0
+    right, total = 0.0, 0
     for i in range(0, len(held), CHUNK):
         chunk = held[i:i + CHUNK]
         texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -81,7 +81,7 @@ def heldout_accuracy(model_dir: str | Path, tokenizer_dir: str | Path, *, tasks:
                                  temperature=1.0, top_p=1.0, num_return_sequences=samples)
         prompt_len = enc["input_ids"].shape[1]
         for j, o in enumerate(out):
-            right += first_number_right(tok.decode(o[prompt_len:], skip_special_tokens=True), chunk[j // samples][1])
+            right += first_number_right(str(tok.decode(o[prompt_len:], skip_special_tokens=True)), chunk[j // samples][1])
             total += 1
     return right / total
 

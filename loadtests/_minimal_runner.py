@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import runpy
 import sys
+from typing import Any
 from pathlib import Path
 
 
@@ -21,12 +22,12 @@ def main(argv: list[str]) -> int:
     original = transformers.AutoModelForCausalLM.from_pretrained
     captured: list[object] = []
 
-    def capture(*args: object, **kwargs: object) -> object:
+    def capture(*args: Any, **kwargs: Any) -> Any:
         model = original(*args, **kwargs)
         captured.append(model)
         return model
 
-    transformers.AutoModelForCausalLM.from_pretrained = capture  # type: ignore[method-assign]
+    transformers.AutoModelForCausalLM.from_pretrained = capture  # type: ignore[method-assign, assignment]
     out = Path(save_dir)
     out.mkdir(parents=True, exist_ok=True)
     sys.argv = [script, model_dir, "--seconds", seconds, "--json", str(out / "result.json")]

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
         q, a = task(rng)
         rows.append({"prompt": [{"role": "user", "content": q}], "answer": a})
 
-    def reward(completions: list, answer: list, **_: object) -> list[float]:
+    def reward(completions: list, answer: list, **_: object) -> list[float | None]:
         return [first_number_right(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -163,9 +163,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     out["async_cpu_busy_mean"] = round(sum(rr["async"].cpu_busy for rr in runs) / len(runs), 3)
     print(f"\n{'run':<8}{'seconds':>9}{'steps':>7}{'samples':>9}{'final reward':>14}{'t(target)':>11}"
           f"{'CPUs busy':>11}")
-    for r, t in ((sync, t_sync), (asyn, t_async)):
-        print(f"{r.mode:<8}{r.seconds:>9.1f}{r.steps:>7}{r.samples:>9}{r.final_reward():>14.3f}"
-              f"{'' if t is None else f'{t:.1f}':>11}{r.cpu_busy:>11.0%}")
+    for res, t in ((sync, t_sync), (asyn, t_async)):
+        print(f"{res.mode:<8}{res.seconds:>9.1f}{res.steps:>7}{res.samples:>9}{res.final_reward():>14.3f}"
+              f"{'' if t is None else f'{t:.1f}':>11}{res.cpu_busy:>11.0%}")
     print(f"\nspeedup (time to reward {target:.3f}): {out['speedup']}x; same steps: {out['speedup_steps']}x")
     if len(runs) > 1:
         print(f"\n{'round':<7}{'first':>7}{'sync s':>9}{'async s':>9}{'same-steps ratio':>18}{'CPUs busy sync/async':>22}")

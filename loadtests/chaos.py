@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -474,7 +475,7 @@ class Chaos:
         victims = list(ROLE_PROCS) + [rng.choice(ROLE_PROCS) for _ in range(max(0, plan.kills - len(ROLE_PROCS)))]
         rng.shuffle(victims)
         for t, v in zip(kill_times, victims[:plan.kills]):
-            out.append((t, lambda v=v: self.kill_and_restart(v), f"kill {v}"))
+            out.append((t, functools.partial(self.kill_and_restart, v), f"kill {v}"))
         for i in range(plan.broker_restarts):
             out.append((d * (0.35 + 0.3 * i), self.restart_broker, "broker restart"))
         for i in range(plan.nats_restarts):

@@ -386,6 +386,7 @@ class Plan:
 
 def run_minimal(plan: Plan) -> SystemResult:
     r = SystemResult("minimal", save_dir=str(plan.save_root / "minimal"))
+    assert r.save_dir is not None
     run = run_child([sys.executable, str(ROOT / "loadtests" / "_minimal_runner.py"), plan.minimal, plan.model_dir,
                      f"{plan.seconds:g}", r.save_dir], log_dir=plan.work / "logs", name="minimal", stop_after=None,
                     hard_limit=plan.seconds + STOP_GRACE_S)
@@ -402,6 +403,7 @@ def run_trl(plan: Plan) -> SystemResult:
     if importlib.util.find_spec("trl") is None:
         r.status, r.save_dir = "not installed", None
         return r
+    assert r.save_dir is not None
     run = run_child([sys.executable, str(ROOT / "loadtests" / "_trl_runner.py"), plan.model_dir, f"{plan.seconds:g}",
                      r.save_dir], log_dir=plan.work / "logs", name="trl", stop_after=None,
                     hard_limit=plan.seconds + STOP_GRACE_S)

@@ -137,7 +137,7 @@ async def bench_objstore(nats_url: str, size_mb: int, rows: list, out: dict, suf
             t0 = time.perf_counter()
             res = await store.get("raw")
             get_raw = time.perf_counter() - t0
-            assert len(res.data) == len(data)
+            assert res.data is not None and len(res.data) == len(data)
             del res
             t0 = time.perf_counter()
             info = await n.put_file(bucket, "adapter", src)

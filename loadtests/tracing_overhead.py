@@ -72,7 +72,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import anyio
 import numpy as np
@@ -381,7 +381,7 @@ class Stage(abc.ABC):
     async def _count(self, results: Consumer) -> None:
         while True:
             for r in await results.getmany(timeout_s=0.1):
-                prefix = r.message.task_id.rsplit("-", 1)[0]  # type: ignore[union-attr]
+                prefix = cast(Experience, r.message).task_id.rsplit("-", 1)[0]  # rollout.experience only
                 if prefix in self.seen:
                     self.seen[prefix] += 1
                 r.ack()

@@ -203,10 +203,10 @@ async def main_async(args: argparse.Namespace) -> dict:
     out["rounds"] = args.rounds
     assert raw_bytes == fp32["bytes"]
     rows = []
-    for name, r in (("float32", fp32), ("bfloat16", bf16)):
-        mb = r["bytes"] / 1e6
-        rows.append((f"adapter {name}", mb, r["write_s"], r["publish_s"], r["fetch_s"], r["apply_s"], r["sync_s"],
-                     mb / r["publish_s"], mb / r["fetch_s"]))
+    for name, res in (("float32", fp32), ("bfloat16", bf16)):
+        mb = res["bytes"] / 1e6
+        rows.append((f"adapter {name}", mb, res["write_s"], res["publish_s"], res["fetch_s"], res["apply_s"],
+                     res["sync_s"], mb / res["publish_s"], mb / res["fetch_s"]))
     mb = raw_bytes / 1e6
     rows.append(("raw nats-py float32", mb, None, put_s, get_s, None, None, mb / put_s, mb / get_s))
     out.update({
@@ -223,9 +223,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         "wire_mb_fp32": round(fp32["bytes"] / 1e6, 1),
         "wire_mb_bf16": round(bf16["bytes"] / 1e6, 1),
     })
-    for name, r in (("fp32", fp32), ("bf16", bf16)):
+    for name, res in (("fp32", fp32), ("bf16", bf16)):
         for phase in ("write_s", "publish_s", "fetch_s", "apply_s"):
-            out[f"{phase[:-2]}_seconds_{name}"] = round(r[phase], 3)
+            out[f"{phase[:-2]}_seconds_{name}"] = round(res[phase], 3)
 
     def cell(v: float | None, fmt: str) -> str:
         return format(v, fmt) if v is not None else format("-", ">" + fmt.split(".")[0])

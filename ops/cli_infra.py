@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 from pathlib import Path
 
 from ops.infra import InfraConfig, InfraError, Stack, format_table
@@ -62,7 +63,7 @@ def _config(args: argparse.Namespace) -> InfraConfig:
         except (OSError, ValueError) as exc:
             raise InfraError(f"cannot read {recorded_path} ({exc}); delete it if the stack there is gone") from None
     # flags given now win, then what `up` recorded for this state dir, then the environment
-    overrides = {f: given[f] if given[f] is not None else recorded.get(f) for f in _RECORDED_FIELDS}
+    overrides: dict[str, Any] = {f: given[f] if given[f] is not None else recorded.get(f) for f in _RECORDED_FIELDS}
     return InfraConfig.from_env(state_dir=base.state_dir, **overrides)
 
 

@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeGuard
 
 RATE_KEYS: dict[str, str] = {
     "tasks_admitted": "tasks",
@@ -256,7 +256,7 @@ def render(snapshot: dict[str, Any], *, width: int = 120, color: bool = False, t
     return "\n".join(lines)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -295,6 +295,7 @@ async def watch(cfg: Any, once: bool, as_json: bool, window_s: float, out: TextI
     """Subscribe to the deployment's heartbeats and print snapshots (one with ``once``, else every second)."""
     import anyio
 
+    from engine.schemas import Heartbeat
     from engine.topics import Names
     from streams.codec import DecodeError, decode
     from streams.nats import Nats, NatsError
@@ -310,6 +311,7 @@ async def watch(cfg: Any, once: bool, as_json: bool, window_s: float, out: TextI
             board.undecodable += 1
             return
         hb = env.message
+        assert isinstance(hb, Heartbeat)  # decode(expect=("heartbeat",)) let nothing else through
         board.observe(hb.role, hb.instance, hb.stats, sent_at=env.created_at, received_at=time.monotonic())
 
     try:

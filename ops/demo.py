@@ -345,7 +345,7 @@ def plot(curves: dict[str, dict[int, float]], before: dict[str, DomainScore], af
     ax1.set_ylim(-0.02, 1.02)
     ax1.legend()
     domains = sorted(before)
-    xs = range(len(domains))
+    xs = list(range(len(domains)))
     ax2.bar([x - 0.2 for x in xs], [before[d].accuracy for d in domains], width=0.4, label="before RL")
     ax2.bar([x + 0.2 for x in xs], [after[d].accuracy for d in domains], width=0.4, label="after RL")
     ax2.set_xticks(list(xs), domains)

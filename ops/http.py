@@ -14,11 +14,12 @@ Binds loopback by default (telemetry.http_host).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -97,7 +98,7 @@ class HttpServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        sockets = site._server.sockets if site._server else []  # the bound port when port=0
+        sockets = cast(asyncio.Server, site._server).sockets if site._server else []  # the bound port when port=0
         port = sockets[0].getsockname()[1] if sockets else self.port
         self.url = f"http://{self.host}:{port}"
         return self

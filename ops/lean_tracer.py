@@ -121,8 +121,8 @@ def _static_decisions(sampler: sampling.Sampler) -> dict[tuple[bool, bool], samp
     for key, attribute in delegates.items():
         delegate = getattr(sampler, attribute, None)  # absent in another SDK version: the sampler is called
         decision = getattr(delegate, "_decision", None)
-        if type(delegate).should_sample is sampling.StaticSampler.should_sample and isinstance(decision,
-                                                                                           sampling.Decision):
+        static = getattr(type(delegate), "should_sample", None) is sampling.StaticSampler.should_sample
+        if static and isinstance(decision, sampling.Decision):
             fixed[key] = decision
     return fixed
 
@@ -176,10 +176,12 @@ class LeanTracer(trace_api.Tracer):
                     span.add_link(link.context, link.attributes)
         span._start_time = start_time if start_time is not None else time_ns()
         for processor in provider.processors:
-            processor.on_start(span, parent_context=context)
+            # the SDK types on_start for its own Span; processors only read the ReadableSpan API LeanSpan has
+            processor.on_start(span, parent_context=context)  # type: ignore[arg-type]
         return span
 
-    def start_as_current_span(self, name: str, context: context_api.Context | None = None,
+    # _Current is used exactly as the API's context manager (and decorator), without the SDK's generator
+    def start_as_current_span(self, name: str, context: context_api.Context | None = None,  # type: ignore[override]
                               kind: SpanKind = SpanKind.INTERNAL, attributes: types.Attributes = None,
                               links: Sequence[Link] | None = (), start_time: int | None = None,
                               record_exception: bool = True, set_status_on_exception: bool = True,
@@ -237,7 +239,7 @@ class LeanSpan(trace_api.Span, ReadableSpan):
                  tracer: LeanTracer, record_exception: bool = True, set_status_on_exception: bool = True) -> None:
         # ReadableSpan's fields, set directly (its __init__ would build a Resource when given none)
         self._name = name
-        self._context = context
+        self._context: SpanContext = context
         self._parent = parent
         self._kind = kind
         self._resource = tracer.provider.resource

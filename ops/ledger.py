@@ -391,7 +391,7 @@ def build_ledger(cfg: EngineConfig, checkpoint_root: str | Path | None = None, *
         elif isinstance(rec.message, Outcome):
             outcomes.add(str(rec.message.completion.get("sample_id", "")))
 
-    experience, reasons = Stage(), {}
+    experience, reasons = Stage(), dict[str, str]()
     positions: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
     for rec in read_topic(cfg, names.experience, timeout_s=timeout_s):
         if isinstance(rec, tuple):

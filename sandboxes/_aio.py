@@ -57,6 +57,12 @@ async def drain(fd: int, cap: OutputCap) -> None:
         loop.remove_reader(fd)
 
 
+def _wake(fut: asyncio.Future[None]) -> None:
+    """Writer callback: resolve ``fut`` once (the loop may call it again before it is removed)."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def write_all(fd: int, data: bytes) -> None:
     """Write ``data`` to the non-blocking ``fd`` and close it; a reader that goes away is not an error."""
     loop = asyncio.get_running_loop()
@@ -68,7 +74,7 @@ async def write_all(fd: int, data: bytes) -> None:
                 view = view[n:]
             except BlockingIOError:
                 fut: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+                loop.add_writer(fd, _wake, fut)
                 try:
                     await fut
                 finally:

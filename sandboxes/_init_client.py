@@ -54,7 +54,7 @@ async def run(
     err_r, err_w = os.pipe()
     in_r, in_w = os.pipe() if stdin is not None else (-1, -1)
     ours = [out_r, err_r]
-    tasks: list[asyncio.Future[object]] = []
+    tasks: list[asyncio.Future[Any]] = []
     finished = False
     timed_out = False
     message: dict[str, Any] | None = None

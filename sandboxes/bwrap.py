@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import time
+from typing import Any
 from pathlib import Path
 
 from sandboxes import _aio, _init_client
@@ -335,7 +336,8 @@ class BwrapSandbox(Sandbox):
         proc: subprocess.Popen[bytes] | None = None
         try:
             argv = self._init_argv({"seccomp": seccomp_r, "info": info_w, "block": block_r, "control": inner.fileno()})
-            ids = {"user": self.uid, "group": self.uid, "extra_groups": []} if self._host.privileged else {}
+            ids: dict[str, Any] = ({"user": self.uid, "group": self.uid, "extra_groups": []}
+                                   if self._host.privileged else {})
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,

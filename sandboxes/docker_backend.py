@@ -58,7 +58,7 @@ CONTROL_ROOT = Path(os.environ.get("ROLLOUT_SANDBOX_ROOT", "/run/rollout-sandbox
 START_TIMEOUT_S = 30.0
 """How long a new container's init may take to connect (an engine busy starting many at once is slow)."""
 INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
-WIPE = [[WORKDIR, UID, UID, 0o700], ["/tmp", UID, UID, None], ["/dev/shm", UID, UID, None],
+WIPE: list[list[Any]] = [[WORKDIR, UID, UID, 0o700], ["/tmp", UID, UID, None], ["/dev/shm", UID, UID, None],
         ["/dev/mqueue", UID, UID, None], [VERIFY_DIR, 0, 0, None]]
 """What a reset empties, as whom, and the mode it restores on the directory itself."""
 

@@ -18,6 +18,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 RECIPE_VERSION = "4"
 REPOSITORY = "rollout-sandbox"
@@ -110,14 +111,14 @@ def write_rootfs(path: Path) -> None:
         _add_bytes(tar, "etc/hosts", b"127.0.0.1 localhost\n")
 
 
-def ensure_image(client: object | None = None) -> str:
+def ensure_image(client: Any = None) -> str:
     """The tag of the sandbox image, building and importing it first if the engine lacks it."""
     import docker
 
     client = client or docker.from_env()
     tag = image_tag()
     try:
-        client.images.get(tag)  # type: ignore[attr-defined]
+        client.images.get(tag)
         return tag
     except docker.errors.ImageNotFound:
         pass
@@ -125,7 +126,7 @@ def ensure_image(client: object | None = None) -> str:
     with tempfile.TemporaryDirectory(prefix="rollout-sandbox-image-") as tmp:
         rootfs = Path(tmp) / "rootfs.tar"
         write_rootfs(rootfs)
-        client.api.import_image_from_file(  # type: ignore[attr-defined]
+        client.api.import_image_from_file(
             str(rootfs), repository=repository, tag=version, changes=["WORKDIR /work", "ENV PATH=/usr/bin:/bin"]
         )
     return tag

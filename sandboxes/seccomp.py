@@ -96,7 +96,7 @@ def build_program(denied: dict[str, int] | None = None) -> list[Insn]:
     then falls back to clone). Another architecture or the x32 ABI kills the process.
     """
     numbers = sorted(set((DENIED_SYSCALLS if denied is None else denied).values()))
-    head: list[Insn] = [
+    head: list[Insn | tuple[str, int]] = [
         _stmt(BPF_LD | BPF_W | BPF_ABS, 4),
         ("arch", AUDIT_ARCH_X86_64),  # placeholder: jeq arch -> next, else KILL
         _stmt(BPF_LD | BPF_W | BPF_ABS, 0),
@@ -106,13 +106,13 @@ def build_program(denied: dict[str, int] | None = None) -> list[Insn]:
     checks += [("enosys", SYS_CLONE3), ("ioctl", SYS_IOCTL), ("clone", SYS_CLONE)]
     # After the checks come: ALLOW, ioctl block, clone block, EPERM, ENOSYS, KILL.
     n_head, n_checks = len(head), len(checks)
-    ioctl_block = [
+    ioctl_block: list[Insn | tuple[str, int]] = [
         _stmt(BPF_LD | BPF_W | BPF_ABS, 24),  # args[1] low 32 bits: the ioctl request
         ("eq_eperm", TIOCSTI),
         ("eq_eperm", TIOCLINUX),
         ("allow", 0),
     ]
-    clone_block = [
+    clone_block: list[Insn | tuple[str, int]] = [
         _stmt(BPF_LD | BPF_W | BPF_ABS, 16),  # args[0] low 32 bits: the clone flags
         ("set_eperm", CLONE_NAMESPACE_FLAGS),
         ("allow", 0),

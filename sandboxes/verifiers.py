@@ -165,7 +165,7 @@ async def verify_code(completion_text: str, spec: dict[str, Any], pool_or_sandbo
     async with _hold(pool_or_sandbox) as sandbox:
         await sandbox.write_files({"solution.py": extract_program(completion_text)})
         # The model's turn is over: only now do the runner and the tests enter the sandbox.
-        protected = {"runner.py": RUNNER}
+        protected: dict[str, str | bytes] = {"runner.py": RUNNER}
         for i, test in enumerate(tests):
             protected[f"tests/test_{i}.py"] = test["code"]
         await sandbox.write_protected_files(protected)

@@ -126,7 +126,7 @@ def _close_connecting_sockets_on_abort() -> None:
             raise
 
     connect._closes_on_abort = True  # type: ignore[attr-defined]
-    cls.connect = connect  # type: ignore[method-assign]
+    cls.connect = connect
 
     # Closing the client closes its connections' transports "after their buffered data is flushed",
     # which never happens once the selector is gone: close what is still registered there first.
@@ -143,7 +143,7 @@ def _close_connecting_sockets_on_abort() -> None:
             return
         selector_close(self)
 
-    _KafkaNetworkSelector.close = close  # type: ignore[method-assign]
+    _KafkaNetworkSelector.close = close
 
 
 _close_connecting_sockets_on_abort()
@@ -257,7 +257,7 @@ class Producer:
         self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
         self._wake_sender = threading.Event()
         self._room = asyncio.Event()
-        self._acks: collections.deque[tuple[asyncio.Future, Any, BaseException | None]] = collections.deque()
+        self._acks: collections.deque[tuple[asyncio.Future[Any], Any, BaseException | None]] = collections.deque()
         self._acks_lock = threading.Lock()
         self._ack_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -290,7 +290,7 @@ class Producer:
 
     def send_raw_nowait(self, topic: str, value: bytes, *, key: bytes | None = None,
                         headers: list[tuple[str, bytes]] | None = None,
-                        partition: int | None = None) -> asyncio.Future:
+                        partition: int | None = None) -> asyncio.Future[Any]:
         """Queue one record; the future resolves to RecordMetadata when the broker acknowledged it."""
         if self._closed or self._loop is None:
             raise StreamError("producer is closed" if self._closed else "producer not started")
@@ -305,7 +305,7 @@ class Producer:
 
     def send_nowait(self, topic: str, message: Message, *, key: str | None = None,
                     headers: dict[str, str] | None = None, partition: int | None = None,
-                    message_id: str | None = None) -> tuple[asyncio.Future, str]:
+                    message_id: str | None = None) -> tuple[asyncio.Future[Any], str]:
         """Encode and queue a message; returns (ack future, message id)."""
         value, mid = encode(message, producer=self.producer_id, message_id=message_id)
         if len(value) > self.cfg.max_record_bytes:
@@ -329,7 +329,8 @@ class Producer:
         await self._room.wait()
         fut, _ = self.send_nowait(topic, message, key=key, headers=headers, partition=partition,
                                   message_id=message_id)
-        return await fut
+        meta: RecordMetadata = await fut
+        return meta
 
     async def flush(self, timeout_s: float = 120.0) -> None:
         """Wait until every queued record is acknowledged (or failed)."""
@@ -378,13 +379,13 @@ class Producer:
                 return
 
     # kafka-python calls callbacks as f(*args, value): the bound future comes first.
-    def _on_ack(self, fut: asyncio.Future, md: Any) -> None:
+    def _on_ack(self, fut: asyncio.Future[Any], md: Any) -> None:
         self._complete(fut, RecordMetadata(md.topic, md.partition, md.offset), None)
 
-    def _on_error(self, fut: asyncio.Future, exc: BaseException) -> None:
+    def _on_error(self, fut: asyncio.Future[Any], exc: BaseException) -> None:
         self._complete(fut, None, exc)
 
-    def _complete(self, fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    def _complete(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
         with self._acks_lock:
             self._acks.append((fut, result, exc))
             if self._ack_scheduled:
@@ -601,7 +602,7 @@ class Consumer:
     async def getmany(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Record]:
         """Poll once; return decoded, valid records (poison ones are dead-lettered here)."""
         if self._buffer:
-            out = []
+            out: list[Record] = []
             while self._buffer and (max_records is None or len(out) < max_records):
                 out.append(self._buffer.popleft())
             return out
@@ -610,7 +611,7 @@ class Consumer:
                 raise StreamError("consumer is closed or not started")
             self._apply_backpressure()
             polled = await anyio.to_thread.run_sync(self._poll_and_decode, timeout_s)
-        out: list[Record] = []
+        out = []
         for item in polled:
             if isinstance(item, Record):
                 out.append(item)
@@ -718,7 +719,7 @@ class Consumer:
                 except DecodeError as exc:
                     out.append((tp.topic, tp.partition, r.offset, key, r.value or b"", exc.reason, exc.detail))
                     continue
-                headers = {k: v for k, v in (r.headers or []) if isinstance(v, (bytes, bytearray))}
+                headers = {k: bytes(v) for k, v in (r.headers or []) if isinstance(v, (bytes, bytearray))}
                 out.append(Record(env, tp.topic, tp.partition, r.offset, key, headers, r.timestamp, self))
         return out
 

@@ -92,7 +92,7 @@ def apply() -> None:
                 return self.abort(error=err)
 
     _read_from_sock._delivers_before_eof = True  # type: ignore[attr-defined]
-    KafkaTCPTransport._read_from_sock = _read_from_sock  # type: ignore[method-assign]
+    KafkaTCPTransport._read_from_sock = _read_from_sock
 
 
 def network_client(**configs: Any) -> KafkaNetClient:

@@ -22,7 +22,7 @@ import io
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -313,7 +313,7 @@ class Nats:
                 return None
         return entry.value
 
-    async def kv_watch(self, bucket: str, key: str) -> AsyncIterator[bytes]:
+    async def kv_watch(self, bucket: str, key: str) -> AsyncGenerator[bytes, None]:
         """Yield the current value (if any) and every later update of ``key``."""
         kv = await self.kv(bucket)
         watcher = await kv.watch(key)
@@ -326,4 +326,4 @@ class Nats:
                 yield entry.value
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                await watcher.stop()
+                await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves KeyWatcher.stop unannotated

@@ -9,7 +9,10 @@ is the next record to read).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Mapping
+from typing import TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
 class OffsetTracker:
@@ -46,11 +49,11 @@ class OffsetTracker:
                 out[p] = safe
         return out
 
-    def mark_committed(self, offsets: dict[Hashable, int]) -> None:
+    def mark_committed(self, offsets: Mapping[K, int]) -> None:
         for p, off in offsets.items():
             self._committed[p] = max(self._committed.get(p, -1), off)
 
-    def revoke(self, partitions: list[Hashable]) -> None:
+    def revoke(self, partitions: Iterable[Hashable]) -> None:
         """Forget partitions taken away by a rebalance."""
         for p in partitions:
             self._inflight.pop(p, None)

@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +151,7 @@ class WeightSubscriber:
         self.bucket = names.bucket(nats.cfg.weights_bucket)
         self.kv_bucket = names.bucket(nats.cfg.kv_bucket)
 
-    async def manifests(self) -> AsyncIterator[WeightManifest]:
+    async def manifests(self) -> AsyncGenerator[WeightManifest, None]:
         # closed with this generator, not whenever the garbage collector finds it (by then the connection
         # may be draining, and stopping the watch fails in a task nobody awaits)
         async with contextlib.aclosing(self.nats.kv_watch(self.kv_bucket, Names.WEIGHTS_KEY)) as updates:

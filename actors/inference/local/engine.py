@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 import torch
@@ -472,7 +472,7 @@ class LocalEngine:
         if token in params.stop_token_ids:
             return {"type": "stop", "matched": token}
         if params.stop:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
+            text = cast(str, self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens))
             longest = max(len(s) for s in params.stop)
             start = max(0, seq._stop_scan_from - longest + 1)
             hits = [(pos, s) for s in params.stop if (pos := text.find(s, start)) >= 0]
@@ -516,7 +516,7 @@ class LocalEngine:
             and ids[-1] not in self._special_ids
         ):
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        text = cast(str, self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens))
         if seq.stop_trim_chars is not None and not params.no_stop_trim:
             text = text[: seq.stop_trim_chars]
         return text

@@ -29,9 +29,14 @@ fp32 (46 KB for SmolLM2-135M), times slots x capacity allocated.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # the layout the runner drives (SmolLM2 is a Llama)
+    from transformers.models.llama.modeling_llama import LlamaAttention
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "SlotRunner", "UnsupportedModel"]
 
@@ -194,7 +199,7 @@ class SlotRunner:
         cos, sin = self.body.rotary_emb(hidden, position_ids)  # (B, T, head_dim)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
-    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor, batch: int, n: int, cos: torch.Tensor,
+    def _qkv(self, attn: LlamaAttention, x: torch.Tensor, batch: int, n: int, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = attn.q_proj(x).view(batch, n, self.heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
