@@ -355,8 +355,9 @@ class SchedulerActor(Actor):
             self.admitted_samples = int(status.get("admitted_samples", 0))
             self.tasks_admitted = int(status.get("tasks_admitted", 0))
             for name, position in status.get("source_positions", {}).items():
-                if isinstance(self.sources.get(name), TaskFileSource):
-                    self.sources[name].position = int(position)
+                source = self.sources.get(name)
+                if isinstance(source, TaskFileSource):
+                    source.position = int(position)
             log.info("%s: resuming at %d tasks / %d samples admitted", self.name, self.tasks_admitted,
                      self.admitted_samples)
         self.learner = LearnerStatus.from_json(await self.rt.require_nats().kv_get(self._bucket,

@@ -34,7 +34,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
     used = [ipaddress.ip_interface(w).network for line in _ip("-4", "-o", "addr").splitlines()
             for w in line.split() if "/" in w and w[0].isdigit()]
     for _ in range(200):
-        net = ipaddress.ip_network(f"10.{random.randint(64, 250)}.{random.randint(0, 255)}.0/24")
+        net = ipaddress.IPv4Network(f"10.{random.randint(64, 250)}.{random.randint(0, 255)}.0/24")
         if not any(net.overlaps(u) for u in used):
             return net
     raise RuntimeError("no free 10.x.y.0/24 block for the host namespaces")

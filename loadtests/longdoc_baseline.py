@@ -39,7 +39,7 @@ def measure(model_dir: Path, lengths: list[int], n: int, seed: int) -> list[dict
             ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=12, do_sample=False)
-            texts.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+            texts.append(str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)))
             return texts[-1]
 
         t0 = time.monotonic()
