@@ -22,7 +22,6 @@ import collections
 import dataclasses
 import logging
 import re
-import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -34,14 +33,13 @@ from kafka.admin import NewPartitions, NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 from kafka.errors import KafkaError, KafkaTimeoutError, RebalanceInProgressError, TopicAlreadyExistsError
-from kafka.net import inet as _kafka_inet
 from kafka.net.compat import KafkaNetClient
-from kafka.net.selector import NetworkSelector as _KafkaNetworkSelector
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from engine.config import KafkaConfig, check_files
 from engine.schemas import DeadLetter, Message
 from streams.codec import DecodeError, Envelope, decode, encode
+from streams import kafka_patches as _kafka_patches
 from streams import kafka_refusals as _kafka_refusals
 from streams.kafka_refusals import is_refusal
 from streams.offsets import OffsetTracker
@@ -104,49 +102,7 @@ def _describe(exc: KafkaError) -> str:
     return f"{name}: {text}" if text and text != name else name
 
 
-def _close_connecting_sockets_on_abort() -> None:
-    """kafka-python 3.0's ``KafkaNetSocket.connect`` keeps a half-open socket when the connect fails or
-    its coroutine is closed (a client closed while connecting): the socket is only reclaimed by the
-    garbage collector, with a ResourceWarning. Close it there instead. Applied once, at import."""
-    cls = _kafka_inet.KafkaNetSocket
-    if getattr(cls.connect, "_closes_on_abort", False):
-        return
-
-    async def connect(self: Any, net: Any, addrinfo: tuple[Any, ...], socket_options: Any = (),
-                      timeout_at: float | None = None) -> Any:
-        family, sock_type, proto, _canonname, sockaddr = addrinfo
-        sock = self.socket(family, sock_type, proto)
-        try:
-            sock.setblocking(False)
-            for option in socket_options:
-                sock.setsockopt(*option)
-            return await self.sock_connect(net, sock, sockaddr, timeout_at=timeout_at)
-        except BaseException:
-            sock.close()
-            raise
-
-    connect._closes_on_abort = True  # type: ignore[attr-defined]
-    cls.connect = connect  # type: ignore[method-assign]
-
-    # Closing the client closes its connections' transports "after their buffered data is flushed",
-    # which never happens once the selector is gone: close what is still registered there first.
-    selector_close = _KafkaNetworkSelector.close
-
-    def close(self: Any) -> None:
-        if not self._closed:
-            own = {id(self._wakeup_r), id(self._wakeup_w)}
-            leftovers = [key.fileobj for key in list(self._selector.get_map().values())
-                         if id(key.fileobj) not in own and isinstance(key.fileobj, socket.socket)]
-            selector_close(self)
-            for sock in leftovers:
-                sock.close()
-            return
-        selector_close(self)
-
-    _KafkaNetworkSelector.close = close  # type: ignore[method-assign]
-
-
-_close_connecting_sockets_on_abort()
+_kafka_patches.apply()
 
 
 def _construct(factory: Callable[..., Any], **kwargs: Any) -> Any:
