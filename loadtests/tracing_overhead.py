@@ -26,7 +26,7 @@ SDK's own ``TracerProvider``); ``--tracer both`` alternates the ``on`` phases be
 so both are compared with the same ``off`` phases in one run, and prints each one's figures and the
 pair-by-pair difference of their overheads (the headline stays lean's).
 
-    python loadtests/tracing_overhead.py [--stage pipeline|verify-reward] [--quick] [--json out.json]
+    python -m loadtests.tracing_overhead [--stage pipeline|verify-reward] [--quick] [--json out.json]
                                          [--rounds K] [--aa] [--bootstrap H:P] [--nats URL]
                                          [--otlp-endpoint URL] [--sample-ratio R] [--tracer lean|sdk|both]
                                          [--phase-samples N] [--clock-phases C] [--no-gc-freeze]
@@ -65,7 +65,6 @@ import functools
 import gc
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -82,7 +81,6 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors import tracing  # noqa: E402
 from actors.inference.actor import InferenceActor  # noqa: E402
