@@ -43,6 +43,7 @@ from streams import kafka_patches as _kafka_patches
 from streams import kafka_refusals as _kafka_refusals
 from streams.kafka_refusals import is_refusal
 from streams.offsets import OffsetTracker
+from streams.protocols import TransportError
 
 log = logging.getLogger("rollout.streams.kafka")
 
@@ -50,7 +51,7 @@ HEADER_MESSAGE_ID = "message_id"
 HEADER_TRACEPARENT = "traceparent"
 
 
-class StreamError(RuntimeError):
+class StreamError(TransportError):
     """A Kafka operation that failed; the message says which and why."""
 
 
