@@ -54,7 +54,7 @@ class IntervalStage(PipelineStage):
         return actors
 
     async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None,
-                        tracer: str = "lean") -> dict[str, Any]:
+                        tracer: str = "sdk") -> dict[str, Any]:
         for actor in self.inference:
             actor.stream_interval = self.interval if mode == "on" else 1
         hz = os.sysconf("SC_CLK_TCK")
