@@ -19,15 +19,19 @@ the deployment; roles receive it and never know who built it (``ops/cli_run.py``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import anyio
+from opentelemetry.trace import SpanKind
 
+from actors import tracing
 from engine.actor import Actor
 from engine.config import EngineConfig, check_files
 from engine.schemas import Message
@@ -121,6 +125,11 @@ class StreamActor(Actor):
     infra_errors: ClassVar[tuple[type[BaseException], ...]] = INFRA_ERRORS
     concurrency: int = 64
     commit_interval_s: float = 1.0
+    # The tracing hook: when set, ``handle`` runs inside a CONSUMER span of this name, child of the
+    # record's ``traceparent``, with the record's messaging attributes and ``rollout.role``; the handler
+    # adds its own attributes to ``trace.get_current_span()``, and ``emit`` gives outputs this span's
+    # traceparent. One place for what every consuming role used to repeat (docs/tracing.md).
+    span_name: ClassVar[str | None] = None
 
     def __init__(self, rt: Runtime, name: str | None = None) -> None:
         super().__init__(name)
@@ -128,6 +137,7 @@ class StreamActor(Actor):
         self.consumer: EventConsumer | None = None
         self._pending_emits: dict[int, list[asyncio.Future]] = {}
         self._deferred: set[int] = set()
+        self._span_parents: dict[int, str | None] = {}
         self.handled = 0
         self.handler_errors = 0
         self.released = 0
@@ -157,8 +167,10 @@ class StreamActor(Actor):
         hdrs = dict(headers or {})
         if not trace:
             hdrs.pop("traceparent", None)
-        elif record.traceparent and "traceparent" not in hdrs:
-            hdrs["traceparent"] = record.traceparent
+        elif "traceparent" not in hdrs:
+            parent = self._span_parents.get(id(record), record.traceparent)
+            if parent:
+                hdrs["traceparent"] = parent
         fut, mid = self.rt.producer.send_nowait(topic, message, key=key, partition=partition, headers=hdrs)
         self._pending_emits.setdefault(id(record), []).append(fut)
         return mid
@@ -194,7 +206,8 @@ class StreamActor(Actor):
     async def _process(self, record: EventRecord, limiter: anyio.Semaphore, crash: list[BaseException]) -> None:
         try:
             try:
-                await self.handle(record)
+                with self._handling_span(record):
+                    await self.handle(record)
                 for fut in self._pending_emits.pop(id(record), []):
                     await fut
             except self.infra_errors as exc:
@@ -225,7 +238,21 @@ class StreamActor(Actor):
                 record.ack()
             self.handled += 1
         finally:
+            self._span_parents.pop(id(record), None)
             limiter.release()
+
+    @contextlib.contextmanager
+    def _handling_span(self, record: EventRecord) -> Iterator[None]:
+        """The span of one handled record (``span_name``), or nothing when the role traces by itself."""
+        if self.span_name is None:
+            yield
+            return
+        with tracing.tracer().start_as_current_span(self.span_name, context=tracing.record_context(record),
+                                                    kind=SpanKind.CONSUMER) as span:
+            if span.is_recording():
+                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role})
+            self._span_parents[id(record)] = tracing.traceparent_of(span) or record.traceparent
+            yield
 
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()

@@ -156,3 +156,50 @@ async def test_kv_watch_yields_the_current_value_then_updates() -> None:
             await store.kv_put("b", "other", b"ignored")
             await store.kv_put("b", "k", b"two")
     assert seen == [b"one", b"two"]
+
+
+class TracedUpcase(Upcase):
+    span_name = "upcase"
+
+    async def handle(self, record: EventRecord) -> None:
+        from opentelemetry import trace
+        trace.get_current_span().set_attribute("rollout.task_id", record.message.task_id)
+        await super().handle(record)
+
+
+async def test_the_runtime_opens_one_span_per_handled_record() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import ops.telemetry as telemetry
+    from actors import tracing
+    from engine.config import TelemetryConfig
+
+    cfg = EngineConfig(namespace="traced")
+    log, names = MemoryEventLog(), Names("traced")
+    exporter = InMemorySpanExporter()
+    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True), "test", exporter=exporter)
+    try:
+        async with Runtime(cfg, event_log=log, store=MemoryStore(), instance="t") as rt:
+            with tracing.tracer().start_as_current_span("schedule") as root:
+                headers = tracing.trace_headers(root)
+            await rt.producer.send(names.topic("tasks"), Task(task_id="t1", domain="arith", prompt="a", spec={}),
+                                   headers=headers)
+            await rt.producer.send(names.topic("tasks"), Task(task_id="t2", domain="arith", prompt="fail", spec={}),
+                                   headers=headers)
+            actor = TracedUpcase(rt)
+            await run_until(actor, lambda: actor.handled + actor.handler_errors == 2)
+        assert telemetry.force_flush(5000)
+    finally:
+        shutdown()
+    spans = [s for s in exporter.get_finished_spans() if s.name == "upcase"]
+    assert len(spans) == 2
+    ok = next(s for s in spans if s.attributes["rollout.task_id"] == "t1")
+    failed = next(s for s in spans if s.attributes["rollout.task_id"] == "t2")
+    assert ok.parent.span_id == root.get_span_context().span_id and ok.context.trace_id == root.get_span_context().trace_id
+    assert ok.attributes["rollout.role"] == "upcase"
+    assert ok.attributes["messaging.destination.name"] == names.topic("tasks")
+    assert not failed.status.is_ok and failed.events[0].name == "exception"  # the handler's error is on its span
+    # the output carries the handling span's context: the next consumer's span nests under it
+    (out,) = [r for part in log.topics[names.topic("completions")] for r in part]
+    ctx = ok.context
+    assert out.headers["traceparent"].decode() == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
