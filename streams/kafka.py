@@ -21,110 +21,29 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-from kafka.admin import NewPartitions, NewTopic
+from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
-from kafka.errors import KafkaError, KafkaTimeoutError, RebalanceInProgressError, TopicAlreadyExistsError
-from kafka.net.compat import KafkaNetClient
+from kafka.errors import KafkaError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from engine.config import KafkaConfig, check_files
 from engine.schemas import DeadLetter, Message
 from streams.codec import DecodeError, Envelope, decode, encode
-from streams import kafka_patches as _kafka_patches
-from streams import kafka_refusals as _kafka_refusals
-from streams.kafka_refusals import is_refusal
+from streams.kafka_admin import ensure_topics
+from streams.kafka_client import StreamError, _connect_error, _construct, client_security, kafka_reason
 from streams.offsets import OffsetTracker
-from streams.protocols import TransportError
 
 log = logging.getLogger("rollout.streams.kafka")
 
 HEADER_MESSAGE_ID = "message_id"
 HEADER_TRACEPARENT = "traceparent"
-
-
-class StreamError(TransportError):
-    """A Kafka operation that failed; the message says which and why."""
-
-
-def client_security(cfg: KafkaConfig) -> dict[str, Any]:
-    """kafka-python keyword arguments for the configured security settings."""
-    out: dict[str, Any] = {"security_protocol": cfg.security_protocol}
-    if cfg.security_protocol.startswith("SASL"):
-        out.update(sasl_mechanism=cfg.sasl_mechanism or "PLAIN",
-                   sasl_plain_username=cfg.sasl_username, sasl_plain_password=cfg.sasl_password)
-    for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):  # kafka-python's names are the config's
-        if value := getattr(cfg, field):
-            out[field] = value
-    return out
-
-
-def kafka_reason(exc: BaseException, what: str = "the request") -> str:
-    """``Type: detail`` of a kafka-python error, once: its ``str()`` already starts with the type's name, and
-    an error raised with no detail (a request or ``Timer`` that expired) reads ``KafkaTimeoutError: None``;
-    then say what timed out instead."""
-    name = type(exc).__name__
-    detail = [str(a) for a in exc.args if a is not None and str(a)]
-    if not detail:
-        return f"{name}: {what} timed out" if isinstance(exc, KafkaTimeoutError) else name
-    return f"{name}: {'; '.join(detail)}"
-
-
-def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
-    """A StreamError naming the broker and, for a refusal or a bootstrap that never completed, the security
-    settings in use (never the password). A refusal the broker explained (wrong password, a certificate
-    either side does not accept) comes at once (streams/kafka_refusals.py); a timeout may be either."""
-    settings = (f"kafka.security_protocol={cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, "
-                f"sasl_username={cfg.sasl_username}, ssl_cafile={cfg.ssl_cafile}, ssl_certfile={cfg.ssl_certfile}")
-    hint = ""
-    if is_refusal(exc):
-        hint = f" (the broker refused this client's security settings: {settings})"
-    elif isinstance(exc, KafkaTimeoutError):
-        hint = f" (unreachable, or it refused this client's security settings: {settings})"
-    return StreamError(f"{what} {cfg.bootstrap}: {_describe(exc)}{hint}")
-
-
-def _describe(exc: KafkaError) -> str:
-    """``Type: message`` without the ``[Error N] Type: Type:`` repetitions kafka-python's errors carry; an
-    error with no detail says what timed out (``kafka_reason``)."""
-    if not any(a is not None and str(a) for a in exc.args):
-        return kafka_reason(exc, "waiting for the broker")
-    name, text = type(exc).__name__, re.sub(r"^\[Error -?\d+\] ", "", str(exc))
-    while text.startswith(f"{name}: "):
-        text = text[len(name) + 2:]
-    return f"{name}: {text}" if text and text != name else name
-
-
-_kafka_patches.apply()
-
-
-def _construct(factory: Callable[..., Any], **kwargs: Any) -> Any:
-    """``factory(**kwargs)`` (a kafka-python client class); if the constructor fails (e.g. the broker refused
-    the login), close the network client it made: kafka-python leaves it open, two sockets per attempt."""
-    _kafka_refusals.apply()
-    made: list[KafkaNetClient] = []
-
-    def network_client(**kw: Any) -> KafkaNetClient:
-        made.append(_kafka_refusals.network_client(**kw))
-        return made[-1]
-
-    try:
-        return factory(**kwargs, kafka_client=network_client)
-    except BaseException:
-        for client in made:
-            try:
-                client.close()
-            except Exception as exc:  # closing is best effort; the constructor's error is the one to report
-                log.debug("closing a failed client: %s", exc)
-        raise
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,60 +54,6 @@ class RecordMetadata:
 
 
 # -- admin ------------------------------------------------------------------------------------------
-
-def _ensure_topics_sync(cfg: KafkaConfig, topics: dict[str, int]) -> None:
-    admin = _construct(KafkaAdminClient, bootstrap_servers=cfg.bootstrap, client_id="rollout-admin",
-                       request_timeout_ms=30000, **client_security(cfg))
-    try:
-        existing = set(admin.list_topics())
-        new = [NewTopic(name=t, num_partitions=n, replication_factor=cfg.replication_factor)
-               for t, n in topics.items() if t not in existing]
-        if new:
-            try:
-                admin.create_topics(new, timeout_ms=30000)
-            except TopicAlreadyExistsError:
-                pass  # created concurrently by another process: fine
-        # Grow (never shrink) partition counts of existing topics to the configured number.
-        grow = {}
-        if existing & topics.keys():
-            for desc in admin.describe_topics([t for t in topics if t in existing]):
-                have = len(desc["partitions"])
-                want = topics[desc["name"]]
-                if want > have:
-                    grow[desc["name"]] = NewPartitions(total_count=want)
-        if grow:
-            admin.create_partitions(grow)
-        _wait_topics_visible(admin, topics)
-    finally:
-        admin.close()
-
-
-def _wait_topics_visible(admin: KafkaAdminClient, topics: dict[str, int], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        descs = admin.describe_topics(list(topics))
-        ready = {d["name"] for d in descs
-                 if d.get("error_code", 0) == 0 and len(d["partitions"]) >= topics[d["name"]]
-                 and all(p.get("leader_id", -1) >= 0 for p in d["partitions"])}
-        if ready >= set(topics):
-            return
-        if time.monotonic() > deadline:
-            raise StreamError(f"topics not ready after {timeout_s}s: {sorted(set(topics) - ready)}")
-        time.sleep(0.05)
-
-
-async def ensure_topics(cfg: KafkaConfig, topics: dict[str, int]) -> None:
-    """Create missing topics with their partition counts (and grow existing ones); waits until usable."""
-    check_files(cfg)
-    try:
-        await anyio.to_thread.run_sync(_ensure_topics_sync, cfg, topics)
-    except KafkaError as exc:
-        names = sorted(topics)
-        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
-        raise _connect_error(f"could not create topics ({shown}) on", cfg, exc) from exc
-
-
-# -- producer ---------------------------------------------------------------------------------------
 
 class Producer:
     """Idempotent producer (acks=all) whose ``send`` never blocks the event loop."""
@@ -743,3 +608,9 @@ class Consumer:
 
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
         self.assigned |= {(tp.topic, tp.partition) for tp in assigned}
+
+
+# ensure_topics, StreamError, client_security and kafka_reason live in kafka_admin / kafka_client; they are
+# re-exported here, where callers have always imported them from.
+__all__ = ["HEADER_MESSAGE_ID", "HEADER_TRACEPARENT", "Consumer", "DeadLetterSink", "Producer", "Record", "RecordMetadata",
+           "StreamError", "client_security", "ensure_topics", "kafka_reason"]

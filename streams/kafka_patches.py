@@ -14,7 +14,7 @@ close connection on socket write error"), which closes on write errors but not o
 
 How: :func:`apply` replaces ``KafkaNetSocket.connect`` with a copy that closes the socket on any
 exception (including cancellation), and wraps ``NetworkSelector.close`` to close sockets still
-registered. Applied once when ``streams.kafka`` is imported, before any client is built (idempotent).
+registered. Applied once when ``streams.kafka_client`` is imported, before any client is built (idempotent).
 Remove this module when kafka-python closes sockets on an aborted connect by itself.
 """
 
