@@ -9,7 +9,7 @@ the deployment; roles receive it and never know who built it (``ops/cli_run.py``
 - a handler emits its outputs with ``emit``; the record is acknowledged only after every output is
   acknowledged by the broker, and offsets are committed only for acknowledged records;
 - a handler that raises on a record dead-letters that record (reason ``handler_error``) and the
-  actor goes on; infrastructure failures (``StreamError``, ``NatsError``) propagate, crash the actor
+  actor goes on; infrastructure failures (``TransportError``: Kafka's ``StreamError``, ``NatsError``) propagate, crash the actor
   and let the supervisor restart it, which re-delivers whatever was not committed;
 - a handler may ``defer_ack(record)``: the record then stays unacknowledged when ``handle`` returns, and
   the actor acks it itself (``record.ack()``) once the effects it waited for are acknowledged (the
@@ -19,36 +19,51 @@ the deployment; roles receive it and never know who built it (``ops/cli_run.py``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import anyio
+from opentelemetry.trace import SpanKind
 
+from actors import tracing
 from engine.actor import Actor
 from engine.config import EngineConfig, check_files
 from engine.schemas import Message
 from engine.topics import TOPIC_SUFFIXES, Names
-from streams.kafka import Consumer, Producer, Record, StreamError, ensure_topics
-from streams.nats import Nats, NatsError
+from streams.protocols import ControlStore, EventConsumer, EventLog, EventProducer, EventRecord, TransportError
+from streams.transports import KafkaEventLog, nats_store
 
 log = logging.getLogger("rollout.actors")
 
-INFRA_ERRORS = (StreamError, NatsError)
+# Kafka's StreamError and NATS's NatsError are TransportErrors, as are the in-memory transports' failures.
+INFRA_ERRORS: tuple[type[BaseException], ...] = (TransportError,)
 
 
 class Runtime:
-    """Shared connections of one process. ``async with Runtime(cfg) as rt``."""
+    """Shared connections of one process. ``async with Runtime(cfg) as rt``.
 
-    def __init__(self, cfg: EngineConfig, *, instance: str | None = None, use_nats: bool = True) -> None:
+    The transports are the config's Kafka and NATS unless ``event_log`` / ``store`` are given (the
+    in-memory ones of ``streams/memory.py`` in tests): roles only see the protocols of ``streams/protocols.py``.
+    """
+
+    def __init__(self, cfg: EngineConfig, *, instance: str | None = None, use_nats: bool = True,
+                 event_log: EventLog | None = None, store: ControlStore | None = None) -> None:
         self.cfg = cfg
         self.names = Names(cfg.namespace)
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}"
-        self.producer = Producer(cfg.kafka, producer_id=f"{cfg.namespace}/{self.instance}")
-        self.nats: Nats | None = Nats(cfg.nats) if use_nats else None
+        self.event_log: EventLog = event_log if event_log is not None else KafkaEventLog(cfg.kafka)
+        self.producer: EventProducer = self.event_log.producer(producer_id=f"{cfg.namespace}/{self.instance}")
+        if not use_nats:
+            store = None
+        elif store is None:
+            store = nats_store(cfg.nats)
+        self.nats: ControlStore | None = store
         self._started = False
 
     @property
@@ -62,7 +77,7 @@ class Runtime:
 
     async def start(self) -> "Runtime":
         check_files(self.cfg)  # every file the config names, before any connection
-        await ensure_topics(self.cfg.kafka, {self.names.topic(s): self.partitions(s) for s in TOPIC_SUFFIXES})
+        await self.event_log.ensure_topics({self.names.topic(s): self.partitions(s) for s in TOPIC_SUFFIXES})
         await self.producer.start()
         if self.nats is not None:
             await self.nats.connect()
@@ -81,15 +96,16 @@ class Runtime:
             if self.nats is not None:
                 await self.nats.close()
 
-    def consumer(self, role: str, suffixes: list[str], expect: tuple[str, ...], **kw: Any) -> Consumer:
+    def consumer(self, role: str, suffixes: list[str], expect: tuple[str, ...], **kw: Any) -> EventConsumer:
         """A member of the role's consumer group on the given topics, dead-lettering poison records."""
-        return Consumer(self.cfg.kafka, topics=[self.names.topic(s) for s in suffixes],
-                        group=self.names.group(role), expect=expect, dead_letters=self.producer,
-                        dlq_topic=self.names.dlq, client_id=f"{role}-{self.instance}", **kw)
+        return self.event_log.consumer(topics=[self.names.topic(s) for s in suffixes], group=self.names.group(role),
+                                       expect=expect, dead_letters=self.producer, dlq_topic=self.names.dlq,
+                                       client_id=f"{role}-{self.instance}", **kw)
 
-    def require_nats(self) -> Nats:
+    def require_nats(self) -> ControlStore:
+        """The control store (NATS in production); raises if the runtime was built without one."""
         if self.nats is None:
-            raise NatsError("this role needs NATS but the runtime was built without it")
+            raise TransportError("this role needs NATS (the control store) but the runtime was built without it")
         return self.nats
 
 
@@ -109,18 +125,24 @@ class StreamActor(Actor):
     infra_errors: ClassVar[tuple[type[BaseException], ...]] = INFRA_ERRORS
     concurrency: int = 64
     commit_interval_s: float = 1.0
+    # The tracing hook: when set, ``handle`` runs inside a CONSUMER span of this name, child of the
+    # record's ``traceparent``, with the record's messaging attributes and ``rollout.role``; the handler
+    # adds its own attributes to ``trace.get_current_span()``, and ``emit`` gives outputs this span's
+    # traceparent. One place for what every consuming role used to repeat (docs/tracing.md).
+    span_name: ClassVar[str | None] = None
 
     def __init__(self, rt: Runtime, name: str | None = None) -> None:
         super().__init__(name)
         self.rt = rt
-        self.consumer: Consumer | None = None
+        self.consumer: EventConsumer | None = None
         self._pending_emits: dict[int, list[asyncio.Future]] = {}
         self._deferred: set[int] = set()
+        self._span_parents: dict[int, str | None] = {}
         self.handled = 0
         self.handler_errors = 0
         self.released = 0
 
-    def make_consumer(self) -> Consumer:
+    def make_consumer(self) -> EventConsumer:
         return self.rt.consumer(self.role, self.topics, self.expect, max_in_flight=self.concurrency * 4)
 
     async def setup(self) -> None:
@@ -131,11 +153,11 @@ class StreamActor(Actor):
             consumer, self.consumer = self.consumer, None
             await consumer.close()
 
-    async def handle(self, record: Record) -> None:
+    async def handle(self, record: EventRecord) -> None:
         """Process one record; produce outputs with ``emit``. Subclasses implement."""
         raise NotImplementedError
 
-    def emit(self, record: Record, topic: str, message: Message, *, key: str | None = None,
+    def emit(self, record: EventRecord, topic: str, message: Message, *, key: str | None = None,
              partition: int | None = None, headers: dict[str, str] | None = None, trace: bool = True) -> str:
         """Produce ``message`` as an effect of ``record``; the record is acked after it is. Returns its id.
 
@@ -145,13 +167,15 @@ class StreamActor(Actor):
         hdrs = dict(headers or {})
         if not trace:
             hdrs.pop("traceparent", None)
-        elif record.traceparent and "traceparent" not in hdrs:
-            hdrs["traceparent"] = record.traceparent
+        elif "traceparent" not in hdrs:
+            parent = self._span_parents.get(id(record), record.traceparent)
+            if parent:
+                hdrs["traceparent"] = parent
         fut, mid = self.rt.producer.send_nowait(topic, message, key=key, partition=partition, headers=hdrs)
         self._pending_emits.setdefault(id(record), []).append(fut)
         return mid
 
-    def defer_ack(self, record: Record) -> None:
+    def defer_ack(self, record: EventRecord) -> None:
         """Keep ``record`` unacknowledged after ``handle`` returns; the caller must ``record.ack()`` it later."""
         self._deferred.add(id(record))
 
@@ -179,10 +203,11 @@ class StreamActor(Actor):
     async def tick(self) -> None:
         """Called once per poll loop (timers, straggler checks). Default: nothing."""
 
-    async def _process(self, record: Record, limiter: anyio.Semaphore, crash: list[BaseException]) -> None:
+    async def _process(self, record: EventRecord, limiter: anyio.Semaphore, crash: list[BaseException]) -> None:
         try:
             try:
-                await self.handle(record)
+                with self._handling_span(record):
+                    await self.handle(record)
                 for fut in self._pending_emits.pop(id(record), []):
                     await fut
             except self.infra_errors as exc:
@@ -213,7 +238,21 @@ class StreamActor(Actor):
                 record.ack()
             self.handled += 1
         finally:
+            self._span_parents.pop(id(record), None)
             limiter.release()
+
+    @contextlib.contextmanager
+    def _handling_span(self, record: EventRecord) -> Iterator[None]:
+        """The span of one handled record (``span_name``), or nothing when the role traces by itself."""
+        if self.span_name is None:
+            yield
+            return
+        with tracing.tracer().start_as_current_span(self.span_name, context=tracing.record_context(record),
+                                                    kind=SpanKind.CONSUMER) as span:
+            if span.is_recording():
+                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role})
+            self._span_parents[id(record)] = tracing.traceparent_of(span) or record.traceparent
+            yield
 
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()

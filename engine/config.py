@@ -331,9 +331,10 @@ class TelemetryConfig(Section):
     """Export OpenTelemetry traces (OTEL_* variables configure the exporter)."""
     otlp_endpoint: str | None = None
     """OTLP/HTTP traces endpoint; None: OTEL_EXPORTER_OTLP_ENDPOINT or the SDK default."""
-    tracer: Literal["lean", "sdk"] = "lean"
-    """What records the spans: ``lean`` (ops/lean_tracer.py: the same spans, sampler, limits and
-    exporters at a fraction of the CPU) or ``sdk`` (the OpenTelemetry SDK's ``TracerProvider``)."""
+    tracer: Literal["sdk", "lean"] = "sdk"
+    """What records the spans: ``sdk``, the OpenTelemetry SDK's ``TracerProvider`` (the only recorder).
+    ``lean`` named a recorder built on the SDK's private internals, now removed: it is still accepted, means
+    ``sdk`` and warns (FutureWarning) so old configs keep working."""
     http_host: str = "127.0.0.1"
     """Host the health/metrics/dashboard server binds (loopback by default)."""
     http_port: int = Field(0, ge=0, le=65535)
@@ -342,6 +343,16 @@ class TelemetryConfig(Section):
     """Token required by state-changing HTTP endpoints."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Heartbeat interval over NATS."""
+
+    @field_validator("tracer")
+    @classmethod
+    def _lean_means_sdk(cls, value: str) -> str:
+        if value == "lean":
+            import warnings
+            warnings.warn('telemetry.tracer = "lean" is deprecated and now means "sdk" (the lean recorder was '
+                          'removed); set telemetry.tracer = "sdk" or drop the line', FutureWarning, stacklevel=2)
+            return "sdk"
+        return value
 
 
 class SupervisionConfig(Section):

@@ -11,7 +11,7 @@ that they agree with the loop's on every task.
 :func:`heldout_accuracy` is the ONE evaluation every system's saved weights (and the base model) are
 scored with, in one process after all systems ran, seeded per model, so no system is judged by its own
 evaluator and two models differ only by their weights. Run as a script it scores directories and
-prints one JSON object: ``python loadtests/_learning_task.py --base BASE NAME=DIR ... --json OUT``.
+prints one JSON object: ``python -m loadtests._learning_task --base BASE NAME=DIR ... --json OUT``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Runs the plain GRPO loop (``grpo_minimal.py``) unmodified and saves the model it trained.
 
-``python loadtests/_minimal_runner.py SCRIPT MODEL_DIR SECONDS SAVE_DIR``: wraps
+``python -m loadtests._minimal_runner SCRIPT MODEL_DIR SECONDS SAVE_DIR``: wraps
 ``transformers.AutoModelForCausalLM.from_pretrained`` to keep the model object the script loads, runs
 the script with ``runpy.run_path(SCRIPT, run_name="__main__")`` and ``sys.argv = [SCRIPT, MODEL_DIR,
 "--seconds", SECONDS, "--json", SAVE_DIR/result.json]``, then saves that model (and the base model's

@@ -1,6 +1,6 @@
 """TRL's ``GRPOTrainer`` on the learning benchmark's task, for a wall-clock budget; saves the final model.
 
-``python loadtests/_trl_runner.py MODEL_DIR SECONDS SAVE_DIR``. The plain loop's task and reward
+``python -m loadtests._trl_runner MODEL_DIR SECONDS SAVE_DIR``. The plain loop's task and reward
 (``loadtests/_learning_task.py``) and geometry: 8 prompts x 8 generations per optimizer step
 (micro-batches of 16 completions, 4 accumulated), lr 5e-6 constant, 8 new tokens, temperature 1,
 gradient checkpointing, TRL's default loss. The budget starts once the model is loaded (as the plain
@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtests._learning_task import first_number_right, task  # noqa: E402
 

@@ -22,7 +22,7 @@ all cores): asynchrony can only fill time a stage would otherwise leave idle, so
 speed-up on this machine is bounded by about ``async_cpu_busy / sync_cpu_busy`` (when both runs do
 the same CPU work); a sync run that already keeps every core busy leaves nothing to overlap.
 
-    python loadtests/async_vs_sync.py [--quick] [--json out.json] [--steps N] [--staleness S] [--rounds K]
+    python -m loadtests.async_vs_sync [--quick] [--json out.json] [--steps N] [--staleness S] [--rounds K]
 
 With no --bootstrap / --nats (or ROLLOUT_KAFKA_BOOTSTRAP / ROLLOUT_NATS_URL) it starts a private
 broker and nats-server and stops them at the end.
@@ -34,14 +34,12 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.domains import score  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402

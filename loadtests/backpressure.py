@@ -11,7 +11,7 @@ inference server child) and the scheduler's counters, and checks:
 - every process's RSS stays flat: growth from the first sample after the bound is reached to the
   median of the last third is below ``--max-growth`` (fraction) + 32 MiB of slack.
 
-    .venv/bin/python loadtests/backpressure.py --quick --json runs/backpressure.json
+    .venv/bin/python -m loadtests.backpressure --quick --json runs/backpressure.json
 
 Headline keys: ``admitted_samples``, ``admission_bound``, ``admitted_after_stop``, ``max_rss_growth_fraction``.
 """
@@ -30,10 +30,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from loadtests.chaos import RoleProc, Stack, children_of, kv_get_json, pipeline_config, poll, rss_kb, write_toml  # noqa: E402
+from loadtests._cluster import RoleProc, Stack, children_of, kv_get_json, pipeline_config, poll, rss_kb, write_toml
 
 SLACK_KB = 32 * 1024
 

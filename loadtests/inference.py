@@ -7,7 +7,7 @@
    Each measurement runs in a fresh subprocess (RSS high-water mark is per process) under an
    address-space limit, so a full pass that would exhaust the machine is reported as failing, not fatal.
 
-    python loadtests/inference.py [--quick] [--json PATH]
+    python -m loadtests.inference [--quick] [--json PATH]
 
 3. With ``--model-dir DIR`` (a real model, e.g. SmolLM2-135M-Instruct): 32 chat requests of 16-64 new
    tokens through the engine against ``transformers`` ``generate`` on one left-padded batch of the same
@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 CHUNK = 512
 MEMORY_LIMIT_GB = 16  # child address-space cap: leaves room on a 24 GiB machine
@@ -182,7 +180,7 @@ def real_model(model_dir: Path, n: int, threads: int) -> dict[str, float]:
 
 def _prefill(mode: str, length: int) -> dict[str, float | None]:
     out = subprocess.run(
-        [sys.executable, __file__, "--prefill-child", mode, str(length)], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "loadtests.inference", "--prefill-child", mode, str(length)], capture_output=True, text=True, cwd=REPO
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if not lines:  # killed (e.g. by the OOM killer) before it could report

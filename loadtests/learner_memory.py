@@ -14,7 +14,7 @@ Workloads: ``long``, 8 groups x 8 samples of a 128-token prompt + 128-token resp
 256 tokens); ``short``, 8 x 8 of a 35-token prompt + 8-token responses (a typical GRPO step here).
 Token ids are random (the cost does not depend on them); the optimizer is AdamW as in the learner.
 
-    python loadtests/learner_memory.py [--quick] [--json out.json] [--model-dir DIR] [--threads 2]
+    python -m loadtests.learner_memory [--quick] [--json out.json] [--model-dir DIR] [--threads 2]
         [--workloads short,long] [--variants packed,unpacked,naive] [--cap-gb 12]
 
 The model is ``--model-dir``, else ``$ROLLOUT_MODEL_DIR``, else the prepared SmolLM2-135M-Instruct
@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORKLOADS = {  # name -> (groups, group size, prompt tokens, response tokens)
     "short": (8, 8, 35, 8),
@@ -158,14 +157,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_child(args: argparse.Namespace, model_dir: str | None, workload: str, variant: str,
               shape: tuple[int, int, int, int]) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", variant, "--shape", json.dumps(shape), "--threads", str(args.threads),
+    cmd = [sys.executable, "-m", "loadtests.learner_memory", "--child", variant, "--shape", json.dumps(shape), "--threads", str(args.threads),
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--cap-gb", str(args.cap_gb),
            "--autocast", args.autocast]
     if model_dir:
         cmd += ["--model-dir", model_dir]
     if args.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]

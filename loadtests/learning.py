@@ -19,7 +19,7 @@ system's saved weights by the plain loop's held-out rule. Prints a table, writes
 (``engine_over_minimal``, ``engine_over_trl``: engine held-out after over theirs, null when not
 available) and a PNG of training reward against wall-clock time (``--png``, default next to the JSON).
 
-    python loadtests/learning.py [--seconds 780] [--only engine,minimal] [--model-dir DIR]
+    python -m loadtests.learning [--seconds 780] [--only engine,minimal] [--model-dir DIR]
         [--save-dir DIR] [--json out.json] [--png out.png] [--quick] [--eval-tasks N]
 
 The model directory is ``--model-dir`` or ``ROLLOUT_MODEL_DIR``. Bad input (no or unreadable model
@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 SYSTEMS = ("engine", "minimal", "trl")
 """In the order they run: the engine first, so the broker and nats-server are stopped before the others."""
@@ -387,7 +386,7 @@ class Plan:
 def run_minimal(plan: Plan) -> SystemResult:
     r = SystemResult("minimal", save_dir=str(plan.save_root / "minimal"))
     assert r.save_dir is not None
-    run = run_child([sys.executable, str(ROOT / "loadtests" / "_minimal_runner.py"), plan.minimal, plan.model_dir,
+    run = run_child([sys.executable, "-m", "loadtests._minimal_runner", plan.minimal, plan.model_dir,
                      f"{plan.seconds:g}", r.save_dir], log_dir=plan.work / "logs", name="minimal", stop_after=None,
                     hard_limit=plan.seconds + STOP_GRACE_S)
     apply_training_lines(r, run.lines, samples_per_step=64)
@@ -404,7 +403,7 @@ def run_trl(plan: Plan) -> SystemResult:
         r.status, r.save_dir = "not installed", None
         return r
     assert r.save_dir is not None
-    run = run_child([sys.executable, str(ROOT / "loadtests" / "_trl_runner.py"), plan.model_dir, f"{plan.seconds:g}",
+    run = run_child([sys.executable, "-m", "loadtests._trl_runner", plan.model_dir, f"{plan.seconds:g}",
                      r.save_dir], log_dir=plan.work / "logs", name="trl", stop_after=None,
                     hard_limit=plan.seconds + STOP_GRACE_S)
     apply_training_lines(r, run.lines, samples_per_step=64)
@@ -537,7 +536,7 @@ def evaluate(plan: Plan, results: dict[str, SystemResult], eval_tasks: int) -> N
     """Score the base model and every finished system's weights in one separate process."""
     scored = {n: r for n, r in results.items() if r.status == "ok" and r.save_dir and Path(r.save_dir).is_dir()}
     out = plan.work / "heldout.json"
-    run = run_child([sys.executable, str(ROOT / "loadtests" / "_learning_task.py"), "--base", plan.model_dir,
+    run = run_child([sys.executable, "-m", "loadtests._learning_task", "--base", plan.model_dir,
                      "--tasks", str(eval_tasks), "--json", str(out), *(f"{n}={r.save_dir}" for n, r in scored.items())],
                     log_dir=plan.work / "logs", name="evaluate", stop_after=None, hard_limit=3600)
     if run.returncode != 0 or not out.exists():

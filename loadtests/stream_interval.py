@@ -13,7 +13,7 @@ with its 95% interval; CPU per sample of the stage's processes (actors and infer
 the whole machine (``/proc/stat``, all cores: this includes the Kafka broker, which handles every
 record), as ratios the same way (< 1: cheaper).
 
-    python loadtests/stream_interval.py [--interval N] [--quick] [--rounds K] [--json out.json]
+    python -m loadtests.stream_interval [--interval N] [--quick] [--rounds K] [--json out.json]
                                         [--bootstrap H:P] [--nats URL]
 
 With no --bootstrap (or ROLLOUT_KAFKA_BOOTSTRAP) it starts a private broker and nats-server on free
@@ -26,14 +26,12 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.inference.actor import InferenceActor  # noqa: E402
 from actors.runtime import Runtime  # noqa: E402
@@ -56,7 +54,7 @@ class IntervalStage(PipelineStage):
         return actors
 
     async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None,
-                        tracer: str = "lean") -> dict[str, Any]:
+                        tracer: str = "sdk") -> dict[str, Any]:
         for actor in self.inference:
             actor.stream_interval = self.interval if mode == "on" else 1
         hz = os.sysconf("SC_CLK_TCK")

@@ -9,7 +9,7 @@ NATS: objects of 4 MiB and of 64 MiB (16 MiB with --quick) through ``streams.nat
 get_file that stream through files and check the digest) and through raw nats-py (put of bytes / get
 without writeinto).
 
-    python loadtests/streams.py [--quick] [--json out.json] [--bootstrap H:P] [--nats URL]
+    python -m loadtests.streams [--quick] [--json out.json] [--bootstrap H:P] [--nats URL]
 
 With no --bootstrap / --nats (or ROLLOUT_KAFKA_BOOTSTRAP / ROLLOUT_NATS_URL) it starts a private
 broker and nats-server on free ports and stops them at the end.
@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 import uuid
@@ -31,7 +30,6 @@ import anyio
 import numpy as np
 from kafka import KafkaConsumer, KafkaProducer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import KafkaConfig, NatsConfig  # noqa: E402
 from engine.schemas import TokenChunk  # noqa: E402

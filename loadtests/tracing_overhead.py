@@ -20,15 +20,12 @@ phases around it, which cancels a steady drift of the machine or of the actors' 
 alternation the ``on`` phase always runs second and takes the drift as overhead), and the headline
 is the median of those ratios. With tracing on, every actor records and propagates its spans through
 the SDK's ``BatchSpanProcessor`` to an exporter that counts and drops them (or, with ``--otlp-endpoint``, to a real
-OTLP/HTTP backend such as ``ops/infra/jaeger.py``'s). The spans are recorded by ``telemetry.tracer``'s
-recorder: ``--tracer lean`` (the default, as in the daemons: ``ops/lean_tracer.py``) or ``--tracer sdk`` (the
-SDK's own ``TracerProvider``); ``--tracer both`` alternates the ``on`` phases between the two (lean first),
-so both are compared with the same ``off`` phases in one run, and prints each one's figures and the
-pair-by-pair difference of their overheads (the headline stays lean's).
+OTLP/HTTP backend such as ``ops/infra/jaeger.py``'s). The spans are recorded by the SDK's own
+``TracerProvider``, as in the daemons.
 
-    python loadtests/tracing_overhead.py [--stage pipeline|verify-reward] [--quick] [--json out.json]
+    python -m loadtests.tracing_overhead [--stage pipeline|verify-reward] [--quick] [--json out.json]
                                          [--rounds K] [--aa] [--bootstrap H:P] [--nats URL]
-                                         [--otlp-endpoint URL] [--sample-ratio R] [--tracer lean|sdk|both]
+                                         [--otlp-endpoint URL] [--sample-ratio R]
                                          [--phase-samples N] [--clock-phases C] [--no-gc-freeze]
 
 On 2 cores the pipeline stage takes about 2 minutes with ``--quick`` and about 4 without (phases of
@@ -65,7 +62,6 @@ import functools
 import gc
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -82,7 +78,6 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors import tracing  # noqa: E402
 from actors.inference.actor import InferenceActor  # noqa: E402
@@ -97,7 +92,6 @@ from engine.process import freeze_startup_heap  # noqa: E402
 from engine.schemas import Completion, Experience, Message, Task  # noqa: E402
 from engine.topics import Names  # noqa: E402
 from loadtests._stats import ci95  # noqa: E402
-from ops.lean_tracer import LeanSpan, LeanTracer  # noqa: E402
 from ops.telemetry import setup_tracing  # noqa: E402
 from streams.kafka import Consumer  # noqa: E402
 
@@ -244,10 +238,9 @@ class TracingClock:
         self._patched.append((owner, name, original))
 
     def __enter__(self) -> TracingClock:
-        for tracer_type, span_type in ((otel_sdk_trace.Tracer, otel_sdk_trace.Span), (LeanTracer, LeanSpan)):
-            self._wrap(tracer_type, "start_span")
-            for name in self.SPAN_METHODS:
-                self._wrap(span_type, name)
+        self._wrap(otel_sdk_trace.Tracer, "start_span")
+        for name in self.SPAN_METHODS:
+            self._wrap(otel_sdk_trace.Span, name)
         for name in ("attach", "detach"):
             self._wrap(otel_context, name)
         for name in self.HELPERS:
@@ -330,7 +323,7 @@ class Stage(abc.ABC):
         return rows
 
     async def _run_mode(self, rt: Runtime, mode: str, samples: int, otlp_endpoint: str | None,
-                        tracer: str = "lean") -> dict[str, Any]:
+                        tracer: str = "sdk") -> dict[str, Any]:
         traced = mode in ("on", "clock")  # the --aa run labels phases "on" that trace nothing ("on-aa")
         exporter = CountingExporter() if otlp_endpoint is None else None
         shutdown = setup_tracing(TelemetryConfig(tracing=traced, otlp_endpoint=otlp_endpoint, tracer=tracer),
@@ -512,8 +505,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     stage_type = STAGES[args.stage]
     samples = args.phase_samples or stage_type.phase_samples[0 if args.quick else 1]
     on = "on-aa" if args.aa else "on"
-    # --tracer both: the on phases alternate between the recorders (lean first), each still between two off phases
-    recorders = ("lean", "sdk") if args.tracer == "both" else (args.tracer,)
+    recorders = ("sdk",)  # the SDK's TracerProvider: the only recorder
     primary = recorders[0]
     phases: list[tuple[str, int, str]] = []
     for k in range(args.rounds):
@@ -577,27 +569,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         shown = "-" if ci is None else f"{ci[0]:+.3f}..{ci[1]:+.3f}"
         print(f"{name:<22}{np.median(values):>+9.3f}{min(values):>+9.3f}{max(values):>+9.3f}{np.mean(values):>+9.3f}"
               f"{shown:>20}")
-    if len(recorders) > 1:
-        # each sdk phase against the lean phase before it: the difference of their overheads, pair by pair
-        paired = paired_differences(by_recorder["lean"]["samples_per_s"], by_recorder["sdk"]["samples_per_s"])
-        out["by_recorder"] = {name: {"overhead_fraction": round(float(np.mean(f["samples_per_s"])), 4),
-                                     "overhead_ci95": ci95(f["samples_per_s"]),
-                                     "cpu_overhead_fraction": round(float(np.mean(f["cpu_ms_per_sample"])), 4),
-                                     "actors_cpu_overhead_fraction": round(float(np.mean(f["actors_cpu_ms_per_sample"])), 4),
-                                     "on_phases": len(f["samples_per_s"])}
-                              for name, f in by_recorder.items()}
-        out["sdk_minus_lean_overhead"] = round(float(np.mean(paired)), 4)
-        out["sdk_minus_lean_ci95"] = ci95(paired)
-        print(f"\n{'recorder':<10}{'on phases':>10}{'throughput overhead: mean (95% CI)':>38}{'CPU/sample':>12}"
-              f"{'actors CPU':>12}")
-        for name, f in out["by_recorder"].items():
-            ci = f["overhead_ci95"]
-            shown = f"{f['overhead_fraction']:+.3f} ({ci[0]:+.3f}..{ci[1]:+.3f})" if ci else f"{f['overhead_fraction']:+.3f}"
-            print(f"{name:<10}{f['on_phases']:>10}{shown:>38}{f['cpu_overhead_fraction']:>+12.3f}"
-                  f"{f['actors_cpu_overhead_fraction']:>+12.3f}")
-        ci = out["sdk_minus_lean_ci95"]
-        print(f"{'sdk - lean, pair by pair':<20}{out['sdk_minus_lean_overhead']:>+28.3f}"
-              + (f" ({ci[0]:+.3f}..{ci[1]:+.3f})" if ci else ""))
     out["tracing_by_call"] = clock_rows[-1]["tracing_by_call"] if clock_rows else {}
     if out["tracing_by_call"]:
         print(f"\n{'where tracing CPU goes (last clock phase)':<42}{'calls/sample':>13}{'us/sample':>11}")
@@ -619,10 +590,6 @@ def main() -> None:
                    help="with --bootstrap: the NATS server of the inference actor's weight subscription")
     p.add_argument("--otlp-endpoint", help="export to this OTLP/HTTP backend instead of memory")
     p.add_argument("--sample-ratio", type=float, help="record this fraction of the rollouts (default: all)")
-    p.add_argument("--tracer", choices=("lean", "sdk", "both"), default="lean",
-                   help="what records the spans (telemetry.tracer; default lean, as the daemons); both: the on "
-                        "phases alternate lean, sdk (the headline is lean's; each recorder's figures and their "
-                        "pair-by-pair difference follow)")
     p.add_argument("--phase-samples", type=int,
                    help="samples per phase (default: the stage's; shorter phases, more rounds: the machine's "
                         "slow spells fall on both sides of more comparisons)")

@@ -13,7 +13,7 @@ files from memory and ``ObjectStore.get`` with ``writeinto`` a file, the same by
 (put + get) seconds over adapter (publish + fetch) seconds of the float32 version, so above 1 means
 the adapter is faster.
 
-    python loadtests/weights.py [--quick] [--json out.json] [--nats URL] [--model-dir DIR] [--rounds N]
+    python -m loadtests.weights [--quick] [--json out.json] [--nats URL] [--model-dir DIR] [--rounds N]
 
 Every path runs ``--rounds`` times (3; 1 with --quick), the adapter and raw nats-py taking turns going
 first; the figures are medians.
@@ -33,7 +33,6 @@ import os
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -42,7 +41,6 @@ from pathlib import Path
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.inference.local.engine import LocalEngine  # noqa: E402
 from actors.learner import save_weights  # noqa: E402

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
 from types import ModuleType
 
-LOADTESTS = Path(__file__).resolve().parents[1] / "loadtests"
-
-
 def _load(name: str) -> ModuleType:
-    """A benchmark body from loadtests/ (a directory of scripts, not an installed package)."""
-    spec = importlib.util.spec_from_file_location(f"loadtests.{name}", LOADTESTS / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(LOADTESTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A benchmark body from the ``loadtests`` package (imported lazily: it pulls in heavy modules)."""
+    return importlib.import_module(f"loadtests.{name}")
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@
 
 With ``telemetry.tracing = false`` (or ``OTEL_SDK_DISABLED=true``) nothing is installed: the API's
 no-op tracer stays, no exporter exists and a span costs one small object. With tracing on, spans are
-recorded by ``ops/lean_tracer.py`` (``telemetry.tracer = "sdk"``: by the SDK's ``TracerProvider``) and go
+recorded by the SDK's ``TracerProvider`` (public API only) and go
 through a ``BatchSpanProcessor`` (``OTEL_BSP_*`` tune it) to an OTLP/HTTP exporter whose endpoint is
 ``telemetry.otlp_endpoint`` if set, else the standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` variables, else ``http://localhost:4318/v1/traces``; headers, timeout
@@ -35,7 +35,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.util.types import Attributes
 
 from engine.config import TelemetryConfig
-from ops.lean_tracer import LeanTracerProvider
 
 log = logging.getLogger("rollout.telemetry")
 
@@ -124,8 +123,7 @@ def setup_tracing(cfg: TelemetryConfig, service_name: str, *, exporter: SpanExpo
         return lambda: None
     attributes = {"service.name": os.environ.get("OTEL_SERVICE_NAME") or service_name, **(resource_attributes or {})}
     resource = Resource.create(attributes)
-    provider: TracerProvider | LeanTracerProvider = (LeanTracerProvider(resource) if cfg.tracer == "lean"
-                                                     else TracerProvider(resource=resource))
+    provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter or otlp_exporter(cfg)))
     switch = _global_switch()
     if not isinstance(switch.current, trace.NoOpTracerProvider):
@@ -147,7 +145,7 @@ def setup_tracing(cfg: TelemetryConfig, service_name: str, *, exporter: SpanExpo
 def force_flush(timeout_ms: int = 30000) -> bool:
     """Export every span ended so far in this process; False if the exporter did not finish in time."""
     current = _switch.current if _switch is not None else None
-    if isinstance(current, TracerProvider | LeanTracerProvider):
+    if isinstance(current, TracerProvider):
         return current.force_flush(timeout_ms)
     return True
 

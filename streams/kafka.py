@@ -21,153 +21,29 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import re
-import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-from kafka.admin import NewPartitions, NewTopic
+from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
-from kafka.errors import KafkaError, KafkaTimeoutError, RebalanceInProgressError, TopicAlreadyExistsError
-from kafka.net import inet as _kafka_inet
-from kafka.net.compat import KafkaNetClient
-from kafka.net.selector import NetworkSelector as _KafkaNetworkSelector
+from kafka.errors import KafkaError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from engine.config import KafkaConfig, check_files
 from engine.schemas import DeadLetter, Message
 from streams.codec import DecodeError, Envelope, decode, encode
-from streams import kafka_refusals as _kafka_refusals
-from streams.kafka_refusals import is_refusal
+from streams.kafka_admin import ensure_topics
+from streams.kafka_client import StreamError, _connect_error, _construct, client_security, kafka_reason
 from streams.offsets import OffsetTracker
 
 log = logging.getLogger("rollout.streams.kafka")
 
 HEADER_MESSAGE_ID = "message_id"
 HEADER_TRACEPARENT = "traceparent"
-
-
-class StreamError(RuntimeError):
-    """A Kafka operation that failed; the message says which and why."""
-
-
-def client_security(cfg: KafkaConfig) -> dict[str, Any]:
-    """kafka-python keyword arguments for the configured security settings."""
-    out: dict[str, Any] = {"security_protocol": cfg.security_protocol}
-    if cfg.security_protocol.startswith("SASL"):
-        out.update(sasl_mechanism=cfg.sasl_mechanism or "PLAIN",
-                   sasl_plain_username=cfg.sasl_username, sasl_plain_password=cfg.sasl_password)
-    for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):  # kafka-python's names are the config's
-        if value := getattr(cfg, field):
-            out[field] = value
-    return out
-
-
-def kafka_reason(exc: BaseException, what: str = "the request") -> str:
-    """``Type: detail`` of a kafka-python error, once: its ``str()`` already starts with the type's name, and
-    an error raised with no detail (a request or ``Timer`` that expired) reads ``KafkaTimeoutError: None``;
-    then say what timed out instead."""
-    name = type(exc).__name__
-    detail = [str(a) for a in exc.args if a is not None and str(a)]
-    if not detail:
-        return f"{name}: {what} timed out" if isinstance(exc, KafkaTimeoutError) else name
-    return f"{name}: {'; '.join(detail)}"
-
-
-def _connect_error(what: str, cfg: KafkaConfig, exc: KafkaError) -> StreamError:
-    """A StreamError naming the broker and, for a refusal or a bootstrap that never completed, the security
-    settings in use (never the password). A refusal the broker explained (wrong password, a certificate
-    either side does not accept) comes at once (streams/kafka_refusals.py); a timeout may be either."""
-    settings = (f"kafka.security_protocol={cfg.security_protocol}, sasl_mechanism={cfg.sasl_mechanism}, "
-                f"sasl_username={cfg.sasl_username}, ssl_cafile={cfg.ssl_cafile}, ssl_certfile={cfg.ssl_certfile}")
-    hint = ""
-    if is_refusal(exc):
-        hint = f" (the broker refused this client's security settings: {settings})"
-    elif isinstance(exc, KafkaTimeoutError):
-        hint = f" (unreachable, or it refused this client's security settings: {settings})"
-    return StreamError(f"{what} {cfg.bootstrap}: {_describe(exc)}{hint}")
-
-
-def _describe(exc: KafkaError) -> str:
-    """``Type: message`` without the ``[Error N] Type: Type:`` repetitions kafka-python's errors carry; an
-    error with no detail says what timed out (``kafka_reason``)."""
-    if not any(a is not None and str(a) for a in exc.args):
-        return kafka_reason(exc, "waiting for the broker")
-    name, text = type(exc).__name__, re.sub(r"^\[Error -?\d+\] ", "", str(exc))
-    while text.startswith(f"{name}: "):
-        text = text[len(name) + 2:]
-    return f"{name}: {text}" if text and text != name else name
-
-
-def _close_connecting_sockets_on_abort() -> None:
-    """kafka-python 3.0's ``KafkaNetSocket.connect`` keeps a half-open socket when the connect fails or
-    its coroutine is closed (a client closed while connecting): the socket is only reclaimed by the
-    garbage collector, with a ResourceWarning. Close it there instead. Applied once, at import."""
-    cls = _kafka_inet.KafkaNetSocket
-    if getattr(cls.connect, "_closes_on_abort", False):
-        return
-
-    async def connect(self: Any, net: Any, addrinfo: tuple[Any, ...], socket_options: Any = (),
-                      timeout_at: float | None = None) -> Any:
-        family, sock_type, proto, _canonname, sockaddr = addrinfo
-        sock = self.socket(family, sock_type, proto)
-        try:
-            sock.setblocking(False)
-            for option in socket_options:
-                sock.setsockopt(*option)
-            return await self.sock_connect(net, sock, sockaddr, timeout_at=timeout_at)
-        except BaseException:
-            sock.close()
-            raise
-
-    connect._closes_on_abort = True  # type: ignore[attr-defined]
-    cls.connect = connect
-
-    # Closing the client closes its connections' transports "after their buffered data is flushed",
-    # which never happens once the selector is gone: close what is still registered there first.
-    selector_close = _KafkaNetworkSelector.close
-
-    def close(self: Any) -> None:
-        if not self._closed:
-            own = {id(self._wakeup_r), id(self._wakeup_w)}
-            leftovers = [key.fileobj for key in list(self._selector.get_map().values())
-                         if id(key.fileobj) not in own and isinstance(key.fileobj, socket.socket)]
-            selector_close(self)
-            for sock in leftovers:
-                sock.close()
-            return
-        selector_close(self)
-
-    _KafkaNetworkSelector.close = close
-
-
-_close_connecting_sockets_on_abort()
-
-
-def _construct(factory: Callable[..., Any], **kwargs: Any) -> Any:
-    """``factory(**kwargs)`` (a kafka-python client class); if the constructor fails (e.g. the broker refused
-    the login), close the network client it made: kafka-python leaves it open, two sockets per attempt."""
-    _kafka_refusals.apply()
-    made: list[KafkaNetClient] = []
-
-    def network_client(**kw: Any) -> KafkaNetClient:
-        made.append(_kafka_refusals.network_client(**kw))
-        return made[-1]
-
-    try:
-        return factory(**kwargs, kafka_client=network_client)
-    except BaseException:
-        for client in made:
-            try:
-                client.close()
-            except Exception as exc:  # closing is best effort; the constructor's error is the one to report
-                log.debug("closing a failed client: %s", exc)
-        raise
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,60 +54,6 @@ class RecordMetadata:
 
 
 # -- admin ------------------------------------------------------------------------------------------
-
-def _ensure_topics_sync(cfg: KafkaConfig, topics: dict[str, int]) -> None:
-    admin = _construct(KafkaAdminClient, bootstrap_servers=cfg.bootstrap, client_id="rollout-admin",
-                       request_timeout_ms=30000, **client_security(cfg))
-    try:
-        existing = set(admin.list_topics())
-        new = [NewTopic(name=t, num_partitions=n, replication_factor=cfg.replication_factor)
-               for t, n in topics.items() if t not in existing]
-        if new:
-            try:
-                admin.create_topics(new, timeout_ms=30000)
-            except TopicAlreadyExistsError:
-                pass  # created concurrently by another process: fine
-        # Grow (never shrink) partition counts of existing topics to the configured number.
-        grow = {}
-        if existing & topics.keys():
-            for desc in admin.describe_topics([t for t in topics if t in existing]):
-                have = len(desc["partitions"])
-                want = topics[desc["name"]]
-                if want > have:
-                    grow[desc["name"]] = NewPartitions(total_count=want)
-        if grow:
-            admin.create_partitions(grow)
-        _wait_topics_visible(admin, topics)
-    finally:
-        admin.close()
-
-
-def _wait_topics_visible(admin: KafkaAdminClient, topics: dict[str, int], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        descs = admin.describe_topics(list(topics))
-        ready = {d["name"] for d in descs
-                 if d.get("error_code", 0) == 0 and len(d["partitions"]) >= topics[d["name"]]
-                 and all(p.get("leader_id", -1) >= 0 for p in d["partitions"])}
-        if ready >= set(topics):
-            return
-        if time.monotonic() > deadline:
-            raise StreamError(f"topics not ready after {timeout_s}s: {sorted(set(topics) - ready)}")
-        time.sleep(0.05)
-
-
-async def ensure_topics(cfg: KafkaConfig, topics: dict[str, int]) -> None:
-    """Create missing topics with their partition counts (and grow existing ones); waits until usable."""
-    check_files(cfg)
-    try:
-        await anyio.to_thread.run_sync(_ensure_topics_sync, cfg, topics)
-    except KafkaError as exc:
-        names = sorted(topics)
-        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
-        raise _connect_error(f"could not create topics ({shown}) on", cfg, exc) from exc
-
-
-# -- producer ---------------------------------------------------------------------------------------
 
 class Producer:
     """Idempotent producer (acks=all) whose ``send`` never blocks the event loop."""
@@ -257,7 +79,7 @@ class Producer:
         self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
         self._wake_sender = threading.Event()
         self._room = asyncio.Event()
-        self._acks: collections.deque[tuple[asyncio.Future[Any], Any, BaseException | None]] = collections.deque()
+        self._acks: collections.deque[tuple[asyncio.Future, Any, BaseException | None]] = collections.deque()
         self._acks_lock = threading.Lock()
         self._ack_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -290,7 +112,7 @@ class Producer:
 
     def send_raw_nowait(self, topic: str, value: bytes, *, key: bytes | None = None,
                         headers: list[tuple[str, bytes]] | None = None,
-                        partition: int | None = None) -> asyncio.Future[Any]:
+                        partition: int | None = None) -> asyncio.Future:
         """Queue one record; the future resolves to RecordMetadata when the broker acknowledged it."""
         if self._closed or self._loop is None:
             raise StreamError("producer is closed" if self._closed else "producer not started")
@@ -305,7 +127,7 @@ class Producer:
 
     def send_nowait(self, topic: str, message: Message, *, key: str | None = None,
                     headers: dict[str, str] | None = None, partition: int | None = None,
-                    message_id: str | None = None) -> tuple[asyncio.Future[Any], str]:
+                    message_id: str | None = None) -> tuple[asyncio.Future, str]:
         """Encode and queue a message; returns (ack future, message id)."""
         value, mid = encode(message, producer=self.producer_id, message_id=message_id)
         if len(value) > self.cfg.max_record_bytes:
@@ -329,8 +151,7 @@ class Producer:
         await self._room.wait()
         fut, _ = self.send_nowait(topic, message, key=key, headers=headers, partition=partition,
                                   message_id=message_id)
-        meta: RecordMetadata = await fut
-        return meta
+        return await fut
 
     async def flush(self, timeout_s: float = 120.0) -> None:
         """Wait until every queued record is acknowledged (or failed)."""
@@ -379,13 +200,13 @@ class Producer:
                 return
 
     # kafka-python calls callbacks as f(*args, value): the bound future comes first.
-    def _on_ack(self, fut: asyncio.Future[Any], md: Any) -> None:
+    def _on_ack(self, fut: asyncio.Future, md: Any) -> None:
         self._complete(fut, RecordMetadata(md.topic, md.partition, md.offset), None)
 
-    def _on_error(self, fut: asyncio.Future[Any], exc: BaseException) -> None:
+    def _on_error(self, fut: asyncio.Future, exc: BaseException) -> None:
         self._complete(fut, None, exc)
 
-    def _complete(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    def _complete(self, fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
         with self._acks_lock:
             self._acks.append((fut, result, exc))
             if self._ack_scheduled:
@@ -602,7 +423,7 @@ class Consumer:
     async def getmany(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Record]:
         """Poll once; return decoded, valid records (poison ones are dead-lettered here)."""
         if self._buffer:
-            out: list[Record] = []
+            out = []
             while self._buffer and (max_records is None or len(out) < max_records):
                 out.append(self._buffer.popleft())
             return out
@@ -611,7 +432,7 @@ class Consumer:
                 raise StreamError("consumer is closed or not started")
             self._apply_backpressure()
             polled = await anyio.to_thread.run_sync(self._poll_and_decode, timeout_s)
-        out = []
+        out: list[Record] = []
         for item in polled:
             if isinstance(item, Record):
                 out.append(item)
@@ -719,7 +540,7 @@ class Consumer:
                 except DecodeError as exc:
                     out.append((tp.topic, tp.partition, r.offset, key, r.value or b"", exc.reason, exc.detail))
                     continue
-                headers = {k: bytes(v) for k, v in (r.headers or []) if isinstance(v, (bytes, bytearray))}
+                headers = {k: v for k, v in (r.headers or []) if isinstance(v, (bytes, bytearray))}
                 out.append(Record(env, tp.topic, tp.partition, r.offset, key, headers, r.timestamp, self))
         return out
 
@@ -787,3 +608,9 @@ class Consumer:
 
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
         self.assigned |= {(tp.topic, tp.partition) for tp in assigned}
+
+
+# ensure_topics, StreamError, client_security and kafka_reason live in kafka_admin / kafka_client; they are
+# re-exported here, where callers have always imported them from.
+__all__ = ["HEADER_MESSAGE_ID", "HEADER_TRACEPARENT", "Consumer", "DeadLetterSink", "Producer", "Record", "RecordMetadata",
+           "StreamError", "client_security", "ensure_topics", "kafka_reason"]

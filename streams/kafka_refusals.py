@@ -19,7 +19,7 @@ of the stream (1); :class:`RefusalAwareManager` records a definitive refusal of 
 ``get_connection`` raises it: the client's constructor fails at once with the broker's reason (2). Only bootstrap nodes are watched, so
 a running client's connections to brokers behave as upstream's.
 
-Applied explicitly: ``streams.kafka._construct`` calls :func:`apply` (idempotent) and builds every
+Applied explicitly: ``streams.kafka_client._construct`` calls :func:`apply` (idempotent) and builds every
 kafka-python client's network client with :func:`network_client`. Both can go when kafka-python
 delivers data read before an EOF and fails a bootstrap on an authentication error by itself.
 """

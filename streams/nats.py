@@ -37,13 +37,14 @@ from nats.js.object_store import (MSG_ROLLUP_SUBJECT, OBJ_CHUNKS_PRE_TEMPLATE, O
                                   OBJ_DIGEST_TYPE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore)
 
 from engine.config import NatsConfig, check_files
+from streams.protocols import TransportError
 
 
 PUT_WINDOW = 64
 """Object chunks (128 KiB each) a write keeps unacknowledged: 8 MiB in flight."""
 
 
-class NatsError(RuntimeError):
+class NatsError(TransportError):
     """A NATS operation that failed or timed out; the message says which."""
 
 

@@ -12,7 +12,7 @@ names, by the Hugging Face tensor names) and also what ``--model-path`` or the l
 from. :func:`check_hf_dir` refuses a fetched version that is not complete, naming what is missing.
 
 Both buckets are the connection's configured ones (``nats.weights_bucket``, ``nats.kv_bucket``, each
-prefixed by the namespace): publisher and subscriber read them from the ``Nats`` they are given, so no
+prefixed by the namespace): publisher and subscriber read them from the control store (``Nats``) they are given, so no
 user of the weights can name a bucket the rest of the deployment does not use.
 """
 
@@ -31,7 +31,8 @@ import anyio
 from engine.schemas import WeightManifest
 from engine.topics import Names
 from streams.codec import DecodeError, decode, encode
-from streams.nats import Nats, NatsError
+from streams.nats import NatsError
+from streams.protocols import ControlStore
 
 log = logging.getLogger("rollout.streams.weights")
 
@@ -93,7 +94,7 @@ def wire_dtype(tensors: dict[str, Any]) -> str:
 
 
 class WeightPublisher:
-    def __init__(self, nats: Nats, names: Names, producer: str = "learner") -> None:
+    def __init__(self, nats: ControlStore, names: Names, producer: str = "learner") -> None:
         self.nats = nats
         self.names = names
         self.producer = producer
@@ -143,7 +144,7 @@ def _manifest(raw: bytes) -> WeightManifest | None:
 class WeightSubscriber:
     """Watches the weights key; fetches each new version into ``dest/v<N>/`` with digests checked."""
 
-    def __init__(self, nats: Nats, names: Names, dest: str | Path, timeout_s: float = 60.0) -> None:
+    def __init__(self, nats: ControlStore, names: Names, dest: str | Path, timeout_s: float = 60.0) -> None:
         self.nats = nats
         self.names = names
         self.dest = Path(dest)

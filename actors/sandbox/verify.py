@@ -7,9 +7,8 @@ import logging
 import time
 from typing import Any, ClassVar
 
-from opentelemetry.trace import SpanKind
+from opentelemetry import trace
 
-from actors import tracing
 from actors.domains import DOMAINS
 from actors.runtime import Runtime
 from actors.sandbox.resources import SandboxResources, _SandboxActorBase
@@ -56,6 +55,7 @@ class VerifyActor(_SandboxActorBase):
     role: ClassVar[str] = "sandbox.verify"
     topics: ClassVar[list[str]] = ["completions"]
     expect: ClassVar[tuple[str, ...]] = (Completion.SCHEMA,)
+    span_name: ClassVar[str | None] = "verify"  # the runtime's span around handle (actors/runtime.py)
 
     def __init__(self, rt: Runtime, resources: SandboxResources, name: str | None = None) -> None:
         super().__init__(rt, resources, name)
@@ -66,20 +66,17 @@ class VerifyActor(_SandboxActorBase):
     async def handle(self, record: Record) -> None:
         completion = record.message
         assert isinstance(completion, Completion)
-        with tracing.tracer().start_as_current_span("verify", context=tracing.record_context(record),
-                                                    kind=SpanKind.CONSUMER) as span:
-            start = time.perf_counter()
-            kind, facts, error = await self.verify(completion)
-            self.verified[kind] += 1
-            outcome = Outcome(completion=completion.to_body(), facts=facts, verifier=kind,
-                              verify_s=time.perf_counter() - start, error=error)
-            if span.is_recording():
-                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role,
-                                     "rollout.sample_id": completion.sample_id, "rollout.task_id": completion.task_id,
-                                     "rollout.domain": completion.domain, "rollout.verifier": kind,
-                                     "rollout.error": error})
-            self.emit(record, self.rt.names.outcomes, outcome, key=completion.task_id,
-                      headers=tracing.trace_headers(span))
+        start = time.perf_counter()
+        kind, facts, error = await self.verify(completion)
+        self.verified[kind] += 1
+        outcome = Outcome(completion=completion.to_body(), facts=facts, verifier=kind,
+                          verify_s=time.perf_counter() - start, error=error)
+        span = trace.get_current_span()  # the runtime's "verify" span (span_name)
+        if span.is_recording():
+            span.set_attributes({"rollout.sample_id": completion.sample_id, "rollout.task_id": completion.task_id,
+                                 "rollout.domain": completion.domain, "rollout.verifier": kind,
+                                 "rollout.error": error})
+        self.emit(record, self.rt.names.outcomes, outcome, key=completion.task_id)
 
     async def verify(self, completion: Completion) -> tuple[str, Facts, str]:
         """(verifier kind, facts, error); never raises on bad model output or specs."""

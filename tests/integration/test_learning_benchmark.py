@@ -35,7 +35,7 @@ def test_quick_learning_benchmark_trains_every_system_and_scores_them(kafka_boot
                                                                       tmp_path: Path) -> None:
     out = tmp_path / "learning.json"
     # TRL is an optional extra (its row is tested by the unit tests); the suite runs the two that are always there
-    proc = subprocess.run([sys.executable, str(ROOT / "loadtests" / "learning.py"), "--quick", "--eval-tasks", "8",
+    proc = subprocess.run([sys.executable, "-m", "loadtests.learning", "--quick", "--eval-tasks", "8",
                            "--only", "engine,minimal",
                            "--model-dir", real_model_dir(), "--bootstrap", kafka_bootstrap, "--nats", nats_url,
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1700)

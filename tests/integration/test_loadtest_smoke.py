@@ -20,26 +20,25 @@ pytestmark = [pytest.mark.timeout(300)]
 
 
 def run_loadtest(script: str, args: list[str], kafka_bootstrap: str, nats_url: str, out: Path) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "loadtests" / script), "--bootstrap", kafka_bootstrap,
+    proc = subprocess.run([sys.executable, "-m", f"loadtests.{script}", "--bootstrap", kafka_bootstrap,
                            "--nats", nats_url, "--json", str(out), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def test_tracing_overhead_alternates_the_recorders(kafka_bootstrap: str, nats_url: str, tmp_path: Path) -> None:
-    out = run_loadtest("tracing_overhead.py", ["--tracer", "both", "--rounds", "2", "--phase-samples", "60",
-                                               "--clock-phases", "1", "--no-gc-freeze"],
+def test_tracing_overhead_runs_on_the_sdk_recorder(kafka_bootstrap: str, nats_url: str, tmp_path: Path) -> None:
+    out = run_loadtest("tracing_overhead", ["--rounds", "2", "--phase-samples", "60", "--clock-phases", "1",
+                                            "--no-gc-freeze"],
                        kafka_bootstrap, nats_url, tmp_path / "tracing.json")
-    assert out["tracer"] == "lean"
-    assert {name: f["on_phases"] for name, f in out["by_recorder"].items()} == {"lean": 1, "sdk": 1}
+    assert out["tracer"] == "sdk"
     assert out["spans_per_sample"] >= 3  # generate, verify, reward per sample, schedule per task
-    assert "LeanTracer.start_span" in out["tracing_by_call"]  # the clock phase ran on the lean recorder
-    assert isinstance(out["sdk_minus_lean_overhead"], float)
+    assert "Tracer.start_span" in out["tracing_by_call"]  # the clock phase timed the SDK's recorder
+    assert "by_recorder" not in out and "sdk_minus_lean_overhead" not in out
 
 
 def test_stream_interval_sends_fewer_token_records(kafka_bootstrap: str, nats_url: str, tmp_path: Path) -> None:
-    out = run_loadtest("stream_interval.py", ["--rounds", "1", "--phase-samples", "60", "--interval", "8"],
+    out = run_loadtest("stream_interval", ["--rounds", "1", "--phase-samples", "60", "--interval", "8"],
                        kafka_bootstrap, nats_url, tmp_path / "interval.json")
     # 24-token samples: a record per streamed chunk at interval 1 (a token each from the local server), at
     # most three at interval 8

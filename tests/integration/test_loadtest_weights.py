@@ -21,7 +21,7 @@ HEADLINE = ("sync_seconds_fp32", "sync_seconds_bf16", "publish_mbps", "fetch_mbp
 
 def test_weights_loadtest_quick_syncs_both_dtypes_and_the_raw_path(nats_url: str, tmp_path: Path) -> None:
     out_path = tmp_path / "weights.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "loadtests" / "weights.py"), "--quick", "--nats", nats_url,
+    proc = subprocess.run([sys.executable, "-m", "loadtests.weights", "--quick", "--nats", nats_url,
                            "--json", str(out_path)], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(out_path.read_text())

@@ -10,7 +10,7 @@ import socket
 
 from kafka import KafkaConsumer
 
-from streams.kafka import _construct
+from streams.kafka_client import _construct
 
 
 def test_a_client_closed_while_its_broker_is_silent_closes_its_socket() -> None:

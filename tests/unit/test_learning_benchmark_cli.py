@@ -279,8 +279,8 @@ def test_the_minimal_runner_saves_the_model_the_loop_trained(tmp_path):
     loop = tmp_path / "loop.py"
     loop.write_text(FAKE_LOOP)
     save = tmp_path / "saved"
-    proc = subprocess.run([sys.executable, str(learning.ROOT / "loadtests" / "_minimal_runner.py"), str(loop), str(base),
-                           "12", str(save)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "loadtests._minimal_runner", str(loop), str(base),
+                           "12", str(save)], cwd=learning.ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"step": 1, "t": 0, "train_reward": 0.5}
     assert json.loads((save / "result.json").read_text()) == {"seconds": 12.0}  # the loop got its arguments

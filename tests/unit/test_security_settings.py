@@ -134,7 +134,7 @@ async def test_drain_needs_the_bearer_token(token: str | None, header: str | Non
 def test_kafka_refusals_are_told_apart_from_outages() -> None:
     from kafka.errors import KafkaConnectionError, KafkaTimeoutError, SaslAuthenticationFailedError
 
-    from streams.kafka import _connect_error
+    from streams.kafka_client import _connect_error
     from streams.kafka_refusals import is_refusal
 
     wrong = SaslAuthenticationFailedError("SaslAuthenticationFailedError: Authentication failed: Invalid username or password")

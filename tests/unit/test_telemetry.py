@@ -29,11 +29,11 @@ def kafka_record(headers: dict[str, str]) -> Record:
                   headers=dict(raw), timestamp_ms=0, _consumer=None)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["lean", "sdk"])
-def spans(request: pytest.FixtureRequest) -> Iterator[InMemorySpanExporter]:
-    """Tracing on for the test with each span recorder, exporting to memory; removed afterwards."""
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing on for the test (the SDK's recorder), exporting to memory; removed afterwards."""
     exporter = InMemorySpanExporter()
-    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True, tracer=request.param), "test", exporter=exporter)
+    shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True), "test", exporter=exporter)
     try:
         yield exporter
     finally:
@@ -150,8 +150,8 @@ def test_otel_sdk_disabled_wins_over_the_config(monkeypatch: pytest.MonkeyPatch)
     assert not tracing.tracer().start_span("x").is_recording()
 
 
-@pytest.mark.parametrize("recorder", ["lean", "sdk"])
-def test_shutdown_flushes_and_a_later_setup_takes_over(recorder: str) -> None:
+def test_shutdown_flushes_and_a_later_setup_takes_over() -> None:
+    recorder = "sdk"
     first, second = InMemorySpanExporter(), InMemorySpanExporter()
     shutdown = telemetry.setup_tracing(TelemetryConfig(tracing=True, tracer=recorder), "one", exporter=first)
     tracing.tracer().start_span("a").end()
@@ -206,3 +206,24 @@ def test_otlp_endpoint_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_bad_endpoint_is_named() -> None:
     with pytest.raises(ValueError, match="otlp_endpoint"):
         telemetry.traces_endpoint("localhost:4318")
+
+
+def test_the_removed_lean_recorder_means_sdk_with_a_deprecation_warning() -> None:
+    with pytest.warns(FutureWarning, match='telemetry.tracer = "lean" is deprecated'):
+        cfg = TelemetryConfig(tracing=True, tracer="lean")
+    assert cfg.tracer == "sdk"
+    exporter = InMemorySpanExporter()
+    shutdown = telemetry.setup_tracing(cfg, "old-config", exporter=exporter)
+    try:
+        tracing.tracer().start_span("kept").end()
+    finally:
+        shutdown()
+    from opentelemetry.sdk.trace import ReadableSpan
+    (span,) = exporter.get_finished_spans()
+    assert isinstance(span, ReadableSpan) and span.name == "kept"
+
+
+def test_an_unknown_recorder_is_refused_by_name() -> None:
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match="tracer"):
+        TelemetryConfig(tracer="fast")

@@ -1,0 +1,139 @@
+"""The two transports the actors depend on, as structural protocols.
+
+Actors talk to two kinds of infrastructure, and only through these shapes:
+
+- an **event log** (:class:`EventLog`): named, partitioned topics; a producer whose sends are acknowledged
+  asynchronously (:class:`EventProducer`); group consumers that hand out decoded records
+  (:class:`EventRecord`), commit only what was acknowledged and send poison records to the dead-letter
+  topic (:class:`EventConsumer`). Kafka implements it in production (``streams/kafka.py`` through
+  :class:`streams.transports.KafkaEventLog`).
+- a **control store** (:class:`ControlStore`): a key-value bucket with watches (learner version,
+  scheduler and reward statistics, the weights manifest) and an object store for weight files
+  (``streams/weights.py`` publishes and fetches versions through it). NATS JetStream implements it
+  (``streams/nats.py``).
+
+``streams/memory.py`` implements both in one process, so the actor logic (consume, handle, emit, commit,
+dead-letter) can be exercised without a broker. Protocols are ``runtime_checkable`` so a test can check
+that each implementation has the whole surface (``isinstance`` checks names, not signatures).
+
+Failures of either transport are :class:`TransportError`: an actor treats them as "the infrastructure
+failed" (crash, restart, re-delivery), never as "this record is bad" (dead letter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from engine.config import NatsConfig
+from engine.schemas import Message
+
+
+class TransportError(RuntimeError):
+    """An event-log or control-store operation failed; the message says which."""
+
+
+@runtime_checkable
+class EventRecord(Protocol):
+    """A consumed, decoded record. ``ack()`` once its effects are durable; its offset may then be committed."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    headers: dict[str, bytes]
+
+    @property
+    def message(self) -> Message: ...
+
+    @property
+    def message_id(self) -> str: ...
+
+    @property
+    def traceparent(self) -> str | None: ...
+
+    def ack(self) -> None: ...
+
+    async def dead_letter(self, reason: str, error: str) -> None: ...
+
+
+@runtime_checkable
+class EventProducer(Protocol):
+    """Sends encoded messages; ``send_nowait`` returns (future of the broker's acknowledgement, message id)."""
+
+    producer_id: str
+
+    async def start(self) -> Any: ...
+
+    def send_nowait(self, topic: str, message: Message, *, key: str | None = None,
+                    headers: dict[str, str] | None = None, partition: int | None = None,
+                    message_id: str | None = None) -> tuple[asyncio.Future, str]: ...
+
+    async def send(self, topic: str, message: Message, *, key: str | None = None,
+                   headers: dict[str, str] | None = None, partition: int | None = None,
+                   message_id: str | None = None) -> Any: ...
+
+    async def wait_room(self) -> None: ...
+
+    async def flush(self, timeout_s: float = 120.0) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class EventConsumer(Protocol):
+    """A consumer-group member: decoded records out, poison records to the dead-letter topic, commit-after-ack."""
+
+    async def start(self) -> Any: ...
+
+    async def getmany(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Any]: ...
+
+    async def commit(self) -> dict[tuple[str, int], int]: ...
+
+    async def close(self) -> None: ...
+
+    def statistics(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class EventLog(Protocol):
+    """Makes topics, producers and consumers of one event log (one broker or cluster)."""
+
+    async def ensure_topics(self, topics: dict[str, int]) -> None: ...
+
+    def producer(self, *, producer_id: str) -> EventProducer: ...
+
+    def consumer(self, *, topics: list[str], group: str, expect: tuple[str, ...], dead_letters: EventProducer,
+                 dlq_topic: str, client_id: str, **kw: Any) -> EventConsumer: ...
+
+
+@runtime_checkable
+class ControlStore(Protocol):
+    """Control keys (put/get/watch) and the object store weight versions are published to."""
+
+    cfg: NatsConfig
+
+    async def connect(self) -> Any: ...
+
+    async def close(self) -> None: ...
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> int: ...
+
+    async def kv_get(self, bucket: str, key: str) -> bytes | None: ...
+
+    def kv_watch(self, bucket: str, key: str) -> AsyncIterator[bytes]: ...
+
+    async def put_file(self, bucket: str, name: str, path: str | Path,
+                       timeout_s: float | None = None) -> dict[str, Any]: ...
+
+    async def put_bytes(self, bucket: str, name: str, data: bytes) -> dict[str, Any]: ...
+
+    async def get_file(self, bucket: str, name: str, path: str | Path, *, sha256: str | None = None,
+                       timeout_s: float | None = None) -> int: ...
+
+    async def delete_object(self, bucket: str, name: str) -> None: ...
+
+
+__all__ = ["ControlStore", "EventConsumer", "EventLog", "EventProducer", "EventRecord", "TransportError"]
