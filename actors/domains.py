@@ -508,3 +508,5 @@ register_domain(Domain("math", "answer", make_math, answer_reward, answer_format
 register_domain(Domain("python", "code", make_python, code_reward, fenced_code_format, stop=(), max_new_tokens=64))
 register_domain(Domain("shell", "terminal", make_shell, terminal_reward, shell_format, stop=(), max_new_tokens=24))
 register_domain(Domain("docqa", "answer", make_docqa, answer_reward, one_word_format, stop=(), max_new_tokens=8))
+
+import actors.domain_repo  # noqa: E402,F401  (registers the "repo" domain; imported last: it imports this module)
