@@ -160,8 +160,9 @@ def _test_file(t: Template, k: int, inputs: list[Any], tag: str) -> str:
     ref = _reference(t, k)
     lines = [f"from lib import {t.name}\n"]
     for i, value in enumerate(inputs):
-        lines.append(f"\ndef test_{tag}_{i}():\n    got = {t.name}({value!r})\n"
-                     f"    assert got == {ref(value)!r}, f'{t.name}({value!r}) returned {{got!r}}, expected {ref(value)!r}'\n")
+        lines.append(f"\ndef test_{tag}_{i}():\n    arg, expected = {value!r}, {ref(value)!r}\n"
+                     f"    got = {t.name}(arg)\n"
+                     f'    assert got == expected, f"{t.name}({{arg!r}}) returned {{got!r}}, expected {{expected!r}}"\n')
     return "".join(lines)
 
 
