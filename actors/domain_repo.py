@@ -15,6 +15,7 @@ layout in docs/domains.md). Tests are plain ``def test_*`` functions run by a sm
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -26,10 +27,10 @@ from typing import Any
 from actors.domains import Domain, Facts, GeneratedTask, register_domain
 from actors.tool_exec import ToolExecutor
 from actors.tools import BUILTIN_TOOLS
-from sandboxes.base import Sandbox
-from sandboxes.verifiers import _hold
+from sandboxes.base import ExecResult, Sandbox
+from sandboxes.verifiers import TerminalEpisode, _hold
 
-__all__ = ["RUNNER", "RepoEpisode", "TEMPLATES", "Template", "load_task_dir", "make_repo", "render_task",
+__all__ = ["RUNNER", "RepoEpisode", "RepoTerminalEpisode", "episode_for", "TEMPLATES", "Template", "load_task_dir", "make_repo", "render_task",
            "repo_format", "repo_reward", "verify_repo"]
 
 RUNNER = '''"""Runs every test_* function of the test_*.py files in a directory; prints a report and a summary."""
@@ -282,6 +283,59 @@ class RepoEpisode:
         return {"hidden_passed": passed, "hidden_total": passed + failed, "turns": self.turns,
                 "tool_calls": self.executor.calls, "tool_errors": self.executor.errors,
                 "completed": failed == 0 and passed > 0}
+
+
+class RepoTerminalEpisode:
+    """A :class:`RepoEpisode` with the interface the episode actor drives (``TerminalEpisode``'s): the
+    ``command`` of a step is the model's whole reply, the observation the tool results' text."""
+
+    def __init__(self, spec: dict[str, Any], pool_or_sandbox: Any) -> None:
+        self.spec = spec
+        self.source = pool_or_sandbox
+        self.max_turns = int(spec.get("max_turns", 6))
+        self._stack = contextlib.AsyncExitStack()
+        self.episode: RepoEpisode | None = None
+        self.last_result: ExecResult | None = None
+
+    async def open(self) -> None:
+        sandbox = await self._stack.enter_async_context(_hold(self.source))
+        self.episode = RepoEpisode(self.spec, sandbox)
+        await self.episode.open()
+
+    @property
+    def done(self) -> bool:
+        return self.episode is not None and self.episode.turns >= self.max_turns
+
+    async def step(self, command: str) -> str:
+        if self.episode is None:
+            raise RuntimeError("RepoTerminalEpisode.open() first")
+        if self.done:
+            self.last_result = None
+            return f"[episode over: max_turns={self.max_turns} reached]"
+        messages = await self.episode.step(command)
+        errors = sum(m["content"].startswith("[tool error]") for m in messages)
+        self.last_result = ExecResult(exit_code=1 if errors else 0, stdout="", stderr="", timed_out=False,
+                                      oom_killed=False, duration_s=0.0, truncated=False)
+        return "\n\n".join(m["content"] for m in messages)
+
+    async def finish(self) -> Facts:
+        if self.episode is None:
+            raise RuntimeError("RepoTerminalEpisode.open() first")
+        try:
+            return await self.episode.finish()
+        finally:
+            await self._stack.aclose()
+
+    async def abandon(self) -> None:
+        await self._stack.aclose()
+
+
+def episode_for(domain: str, spec: dict[str, Any], pool_or_sandbox: Any) -> Any:
+    """The episode object the episode actor runs for ``domain``: a repository episode for ``repo``, else
+    the shell :class:`~sandboxes.verifiers.TerminalEpisode`."""
+    if domain == "repo" or "hidden_tests" in spec:
+        return RepoTerminalEpisode(spec, pool_or_sandbox)
+    return TerminalEpisode(spec, pool_or_sandbox)
 
 
 async def verify_repo(completion_text: str, spec: dict[str, Any], pool_or_sandbox: Any) -> Facts:

@@ -509,4 +509,6 @@ register_domain(Domain("python", "code", make_python, code_reward, fenced_code_f
 register_domain(Domain("shell", "terminal", make_shell, terminal_reward, shell_format, stop=(), max_new_tokens=24))
 register_domain(Domain("docqa", "answer", make_docqa, answer_reward, one_word_format, stop=(), max_new_tokens=8))
 
-import actors.domain_repo  # noqa: E402,F401  (registers the "repo" domain; imported last: it imports this module)
+# The "repo" domain registers itself on import; imported last because it imports this module.
+from actors import domain_repo as _domain_repo  # noqa: E402
+del _domain_repo

@@ -149,3 +149,25 @@ def test_task_directory_errors_name_the_missing_part(tmp_path: Path) -> None:
     (tmp_path / "task.toml").write_text('prompt = "x"\n')
     with pytest.raises(ValueError, match="directory repo/ is missing"):
         load_task_dir(tmp_path)
+
+
+@pytest.mark.anyio
+async def test_episode_actor_runs_repo_episodes_through_episode_for() -> None:
+    """What EpisodeActor opens for the repo domain: a pooled sandbox, replies in, tool output out."""
+    from actors.domain_repo import RepoTerminalEpisode, episode_for
+    from sandboxes import SandboxPool
+    from sandboxes.verifiers import TerminalEpisode
+
+    task = render_task(TEMPLATES[1], 3, random.Random(3))
+    async with SandboxPool("bwrap", Limits(memory_mb=256, pids=64, timeout_s=20), size=1, max_size=1) as pool:
+        assert isinstance(episode_for("terminal", {"checks": []}, pool), TerminalEpisode)
+        episode = episode_for("repo", task.spec, pool)
+        assert isinstance(episode, RepoTerminalEpisode)
+        await episode.open()
+        failing = await episode.step(_call("run_tests"))
+        assert "FAILED" in failing and episode.last_result is not None and episode.last_result.exit_code == 0
+        bad = await episode.step(_call("nope"))
+        assert "unknown tool" in bad and episode.last_result.exit_code == 1
+        await episode.step(task.ideal)
+        facts = await episode.finish()
+    assert facts["completed"] and facts["turns"] == 3

@@ -87,3 +87,17 @@ def test_truncate_keeps_head_and_tail_and_names_the_dropped_bytes() -> None:
     assert out.startswith("A" * 100) and out.endswith("Z" * 100)
     assert "[... truncated 1000 bytes ...]" in out
     assert truncate("short", 200) == "short"
+
+
+def test_render_prompt_declares_tools_and_observation_uses_tool_role(real_model_dir) -> None:
+    """SmolLM2's template ignores ``tools``: the Hermes block goes into the system turn instead."""
+    from transformers import AutoTokenizer
+
+    from actors.llm import render_observation, render_prompt
+    tokenizer = AutoTokenizer.from_pretrained(str(real_model_dir), local_files_only=True)
+    with_tools = tokenizer.decode(render_prompt(tokenizer, "fix it", system="You fix code.", tools=BUILTIN_TOOLS))
+    without = tokenizer.decode(render_prompt(tokenizer, "fix it", system="You fix code."))
+    assert "<tools>" in with_tools and '"name": "run_tests"' in with_tools and "<tools>" not in without
+    assert with_tools.index("You fix code.") < with_tools.index("<tools>") < with_tools.index("fix it")
+    observation = tokenizer.decode(render_observation(tokenizer, "SUMMARY passed=1", ended_turn=True, role="tool"))
+    assert "<|im_start|>tool\nSUMMARY passed=1" in observation
