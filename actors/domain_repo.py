@@ -30,7 +30,7 @@ from actors.tools import BUILTIN_TOOLS
 from sandboxes.base import ExecResult, Sandbox
 from sandboxes.verifiers import TerminalEpisode, _hold
 
-__all__ = ["RUNNER", "RepoEpisode", "RepoTerminalEpisode", "episode_for", "TEMPLATES", "Template", "load_task_dir", "make_repo", "render_task",
+__all__ = ["RUNNER", "RepoEpisode", "RepoTerminalEpisode", "episode_for", "expand_spec", "TEMPLATES", "Template", "load_task_dir", "make_repo", "render_task",
            "repo_format", "repo_reward", "verify_repo"]
 
 RUNNER = '''"""Runs every test_* function of the test_*.py files in a directory; prints a report and a summary."""
@@ -185,7 +185,6 @@ def render_task(t: Template, k: int, rng: random.Random) -> GeneratedTask:
         raise ValueError(f"template {t.name!r} (k={k}): the bug shows on too few inputs")
     rest = (telling[2:] + plain)[:7]
     visible, hidden = [telling[0], *rest[:2]], [telling[1], *rest[2:7]]
-    fixed = _function(t, t.good, k)
     files = {
         "README.md": f"# {t.name}\n\n`lib.{t.name}` should return {t.describe.format(k=k)}.\n",
         "lib.py": f'"""The library."""\nfrom helpers import describe  # noqa: F401\n\n\n{_function(t, t.bad, k)}',
@@ -196,17 +195,45 @@ def render_task(t: Template, k: int, rng: random.Random) -> GeneratedTask:
               f"{t.describe.format(k=k)}. Use the tools to read the code, fix it, and run the tests.")
     spec = {"files": files, "hidden_tests": {"hidden/test_hidden.py": _test_file(t, k, hidden, "hidden")},
             "template": t.name, "k": k, "max_turns": 6, "timeout_s": 20}
-    fixed_lib = f'"""The library."""\nfrom helpers import describe  # noqa: F401\n\n\n{fixed}'
+    fixed_lib = _fixed_lib(t, k)
     ideal = "<tool_call>" + json.dumps({"name": "write_file", "arguments": {"path": "lib.py", "content": fixed_lib}}) \
         + "</tool_call>"
     return GeneratedTask(prompt=prompt, spec=spec, ideal=ideal)
 
 
+def _fixed_lib(t: Template, k: int) -> str:
+    return f'"""The library."""\nfrom helpers import describe  # noqa: F401\n\n\n{_function(t, t.good, k)}'
+
+
 def make_repo(rng: random.Random, difficulty: float) -> GeneratedTask:
-    """A generated repository task (difficulty widens the constants)."""
+    """A generated repository task (difficulty widens the constants).
+
+    The spec is compact (template, ``k``, seed): drawing stays cheap (held-out splits draw thousands) and the
+    message small; :func:`expand_spec` writes the files out when the episode opens.
+    """
     t = rng.choice(TEMPLATES)
     k = rng.randint(2, 5 if difficulty < 0.5 else 9)
-    return render_task(t, k, rng)
+    seed = rng.getrandbits(32)
+    prompt = (f"The repository in /work has a failing test suite: lib.{t.name} should return "
+              f"{t.describe.format(k=k)}. Use the tools to read the code, fix it, and run the tests.")
+    ideal = "<tool_call>" + json.dumps({"name": "write_file", "arguments": {"path": "lib.py",
+                                                                           "content": _fixed_lib(t, k)}}) + "</tool_call>"
+    return GeneratedTask(prompt=prompt, spec={"template": t.name, "k": k, "seed": seed, "max_turns": 6,
+                                              "timeout_s": 20}, ideal=ideal)
+
+
+_BY_NAME = {t.name: t for t in TEMPLATES}
+
+
+def expand_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with its ``files`` and ``hidden_tests`` (a compact generated spec is rendered from its seed)."""
+    if "files" in spec:
+        return spec
+    t = _BY_NAME.get(str(spec.get("template")))
+    if t is None:
+        raise ValueError(f"repo spec: unknown template {spec.get('template')!r} and no 'files'")
+    task = render_task(t, int(spec["k"]), random.Random(int(spec.get("seed", 0))))
+    return {**task.spec, **{k: v for k, v in spec.items() if k in ("max_turns", "timeout_s")}}
 
 
 def load_task_dir(path: str | Path) -> GeneratedTask:
@@ -256,7 +283,7 @@ class RepoEpisode:
     """One repository episode in one sandbox: :meth:`open`, :meth:`step` per model reply, :meth:`finish`."""
 
     def __init__(self, spec: dict[str, Any], sandbox: Sandbox, *, limit_bytes: int = 4096) -> None:
-        self.spec = spec
+        self.spec = spec = expand_spec(spec)
         self.sandbox = sandbox
         self.executor = ToolExecutor(sandbox, limit_bytes=limit_bytes, timeout_s=float(spec.get("timeout_s", 20)),
                                      tests_cmd=RUN_VISIBLE, tools=BUILTIN_TOOLS)

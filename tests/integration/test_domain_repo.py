@@ -171,3 +171,16 @@ async def test_episode_actor_runs_repo_episodes_through_episode_for() -> None:
         await episode.step(task.ideal)
         facts = await episode.finish()
     assert facts["completed"] and facts["turns"] == 3
+
+
+@pytest.mark.anyio
+async def test_generated_compact_spec_expands_in_the_sandbox() -> None:
+    domain = DOMAINS["repo"]
+    prompt, ideal = domain.demonstrate(random.Random(5), 0.7)
+    again, spec = domain.generate(random.Random(5), 0.7)
+    assert prompt == again and "files" not in spec and len(json.dumps(spec)) < 200
+    async with open_sandbox("bwrap", Limits(memory_mb=256, pids=64, timeout_s=20)) as sandbox:
+        before = await verify_repo("", spec, sandbox)
+        await sandbox.reset()
+        after = await verify_repo(ideal, spec, sandbox)
+    assert not before["completed"] and after["completed"] and domain.format_score(ideal) == 1.0
