@@ -513,3 +513,4 @@ register_domain(Domain("docqa", "answer", make_docqa, answer_reward, one_word_fo
 # Domains in their own modules register themselves on import; importing them here keeps DOMAINS the one
 # complete table for every role (imported last: they import this module).
 importlib.import_module("actors.domain_longdoc")
+importlib.import_module("actors.domain_repo")

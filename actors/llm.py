@@ -157,7 +157,8 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, system: str | None = None) -> list[int]:
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, system: str | None = None,
+                  tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``prompt`` as the model expects it: the chat template's user turn (after ``system``, when
     given; else the template's default) and the assistant header, or the raw text for a model without one.
 
@@ -168,14 +169,20 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, system: st
         return list(tokenizer.encode(prompt, add_special_tokens=False))
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if tools:  # declared tools (JSON schemas): the template's tool support, else a Hermes block (actors.tools)
+        from actors.tools import render_tool_messages
+        text = render_tool_messages(tokenizer, messages, tools)
+    else:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def render_observation(tokenizer: PreTrainedTokenizerBase, observation: str, *, ended_turn: bool) -> list[int]:
+def render_observation(tokenizer: PreTrainedTokenizerBase, observation: str, *, ended_turn: bool,
+                       role: str = "user") -> list[int]:
     """Token ids that close the model's turn and hand it ``observation`` as the next user turn, ending at the
     assistant header (multi-turn episodes of a chat model); for a model without a chat template, ``None``.
 
+    ``role``: ``"tool"`` hands back tool results (the repo domain's observations) as the template's tool turn.
     ``ended_turn``: the model's last token already ended its turn (it stopped on the end-of-turn token), so
     only what the template writes after that token follows.
     """
@@ -187,7 +194,7 @@ def render_observation(tokenizer: PreTrainedTokenizerBase, observation: str, *, 
     if ended_turn and eos and closing.startswith(eos):
         closing = closing[len(eos):]
     start = cast(str, tokenizer.apply_chat_template(base, tokenize=False))
-    turn = cast(str, tokenizer.apply_chat_template(base + [{"role": "user", "content": observation}], tokenize=False,
+    turn = cast(str, tokenizer.apply_chat_template(base + [{"role": role, "content": observation}], tokenize=False,
                                               add_generation_prompt=True))
     if not turn.startswith(start):
         raise ValueError("the chat template renders a conversation's prefix differently once a turn is added")

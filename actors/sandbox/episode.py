@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from opentelemetry.trace import SpanKind
 
 from actors import tracing
+from actors.domain_repo import episode_for
 from actors.runtime import Runtime
 from actors.sandbox.resources import SandboxResources, _SandboxActorBase
 from actors.sandbox.settings import clamp_spec
@@ -126,7 +127,7 @@ class EpisodeActor(_SandboxActorBase):
         if len(self.episodes) >= self.resources.max_episodes:
             return dataclasses.replace(ok, error=EPISODES_FULL)
         spec, clamped = clamp_spec(req.spec, self.resources.cfg, self.settings)
-        episode = TerminalEpisode(spec, self.resources.pool)
+        episode = episode_for(req.domain, spec, self.resources.pool)
         try:
             await asyncio.wait_for(episode.open(), self.settings.open_timeout_s)
         except asyncio.TimeoutError:

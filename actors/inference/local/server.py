@@ -31,6 +31,7 @@ import anyio
 from aiohttp import web
 
 from actors.inference.local.engine import LocalEngine, Sequence, WeightUpdateError
+from actors.inference.local.openai_api import add_openai_routes
 from actors.inference.local.protocol import (
     BadRequest,
     GenerateRequest,
@@ -529,6 +530,7 @@ def build_app(config: ServerConfig) -> web.Application:
     r.add_route("*", "/flush_cache", handle_flush_cache)
     r.add_get("/health", handle_health)
     r.add_get("/health_generate", handle_health_generate)
+    add_openai_routes(app, lambda request: _state(request).engine)
     return app
 
 
