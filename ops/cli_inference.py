@@ -47,6 +47,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                        help="leave the loaded heap in the garbage collector's reach (default: frozen once loaded)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    serve.add_argument("--backend", choices=("local", "sim"), default="local",
+                       help="local: a real torch model; sim: SIMULATED roofline timing, synthetic tokens (docs/fleet.md)")
+    serve.add_argument("--time-scale", type=float, default=1.0,
+                       help="sim backend: wall seconds per simulated second (default: 1.0)")
     serve.set_defaults(func=_serve)
 
 
@@ -98,6 +102,11 @@ def _serve(args: argparse.Namespace) -> int:
         assert task is not None
         # SIGTERM drains like Ctrl-C: the server task is cancelled and cleans up (aborts, temp model dir).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        if args.backend == "sim":
+            from actors.inference.sim.server import SimOptions, serve_sim
+
+            await serve_sim(config, SimOptions(time_scale=args.time_scale), on_bound=announce)
+            return
         await serve(config, on_bound=announce)
 
     try:
