@@ -131,3 +131,14 @@ def test_pause_retract_keeps_partial_output_and_continue_resumes() -> None:
         assert out["meta_info"]["finish_reason"]["type"] == "length"
 
     _run(body, opts)
+
+
+def test_calibration_fit_recovers_a_line_and_reports_its_error() -> None:
+    from actors.inference.sim.calibrate import _linear_fit, _rel_error
+
+    xs = [32.0, 128.0, 256.0, 512.0]
+    ys = [0.1 + 0.002 * x for x in xs]
+    fit = _linear_fit(xs, ys)
+    assert fit == pytest.approx((0.1, 0.002))
+    assert _rel_error(xs, ys, fit) == pytest.approx(0.0, abs=1e-9)
+    assert _rel_error(xs, [y * 1.2 for y in ys], fit) == pytest.approx(1 - 1 / 1.2)
