@@ -42,7 +42,7 @@ async def _timed(engine: LocalEngine, prompts: list[list[int]], new_tokens: int)
     return time.perf_counter() - start
 
 
-async def measure(model_dir: str, *, prompt_lens: list[int], batches: list[int], repeats: int = 2) -> dict[str, Any]:
+async def measure(model_dir: str, *, prompt_lens: list[int], batches: list[int], repeats: int = 3) -> dict[str, Any]:
     from actors.llm import load_model_dir
 
     model, tokenizer = load_model_dir(model_dir)
@@ -53,7 +53,7 @@ async def measure(model_dir: str, *, prompt_lens: list[int], batches: list[int],
     try:
         await _timed(engine, [[5] * 16], 2)  # warm-up
         prefill = [min([await _timed(engine, [[5 + i % 100 for i in range(n)]], 1) for _ in range(repeats)]) for n in prompt_lens]
-        ctx, k1, k2 = 64, 2, 18
+        ctx, k1, k2 = 64, 2, 34
         decode = []
         for b in batches:
             prompts = [[5 + j] * ctx for j in range(b)]
