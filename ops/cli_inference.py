@@ -52,6 +52,23 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--time-scale", type=float, default=1.0,
                        help="sim backend: wall seconds per simulated second (default: 1.0)")
     serve.set_defaults(func=_serve)
+    cal = sub.add_parser("calibrate-sim", help="fit the sim backend's roofline to the local engine's timings on this CPU")
+    cal.add_argument("--model-dir", required=True, help="HF model directory the local engine runs")
+    cal.add_argument("--quick", action="store_true", help="fewer measurement points")
+    cal.add_argument("--json", default=None, help="write the result here")
+    cal.set_defaults(func=_calibrate_sim)
+
+
+def _calibrate_sim(args: argparse.Namespace) -> int:
+    from actors.inference.sim.calibrate import main
+    from actors.model_dir import ModelDirError, check_model_dir
+
+    try:
+        check_model_dir(args.model_dir)
+    except ModelDirError as exc:
+        print(f"rollout inference calibrate-sim: --model-dir: {exc}", file=sys.stderr)
+        return 2
+    return main(["--model-dir", args.model_dir, *(["--quick"] if args.quick else []), *(["--json", args.json] if args.json else [])])
 
 
 def _serve(args: argparse.Namespace) -> int:
