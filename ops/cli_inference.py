@@ -47,7 +47,28 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                        help="leave the loaded heap in the garbage collector's reach (default: frozen once loaded)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    serve.add_argument("--backend", choices=("local", "sim"), default="local",
+                       help="local: a real torch model; sim: SIMULATED roofline timing, synthetic tokens (docs/fleet.md)")
+    serve.add_argument("--time-scale", type=float, default=1.0,
+                       help="sim backend: wall seconds per simulated second (default: 1.0)")
     serve.set_defaults(func=_serve)
+    cal = sub.add_parser("calibrate-sim", help="fit the sim backend's roofline to the local engine's timings on this CPU")
+    cal.add_argument("--model-dir", required=True, help="HF model directory the local engine runs")
+    cal.add_argument("--quick", action="store_true", help="fewer measurement points")
+    cal.add_argument("--json", default=None, help="write the result here")
+    cal.set_defaults(func=_calibrate_sim)
+
+
+def _calibrate_sim(args: argparse.Namespace) -> int:
+    from actors.inference.sim.calibrate import main
+    from actors.model_dir import ModelDirError, check_model_dir
+
+    try:
+        check_model_dir(args.model_dir)
+    except ModelDirError as exc:
+        print(f"rollout inference calibrate-sim: --model-dir: {exc}", file=sys.stderr)
+        return 2
+    return main(["--model-dir", args.model_dir, *(["--quick"] if args.quick else []), *(["--json", args.json] if args.json else [])])
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -98,6 +119,11 @@ def _serve(args: argparse.Namespace) -> int:
         assert task is not None
         # SIGTERM drains like Ctrl-C: the server task is cancelled and cleans up (aborts, temp model dir).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        if args.backend == "sim":
+            from actors.inference.sim.server import SimOptions, serve_sim
+
+            await serve_sim(config, SimOptions(time_scale=args.time_scale), on_bound=announce)
+            return
         await serve(config, on_bound=announce)
 
     try:
