@@ -397,21 +397,23 @@ class LocalEngine:
     def _step_sync(self, prefill: list[tuple[Sequence, list[int]]], decode: list[Sequence]) -> dict[Sequence, _Sampled]:
         """Worker-thread part of a step: forward passes, cache updates, sampling."""
         sampled: dict[Sequence, _Sampled] = {}
-        for seq, chunk in prefill:
+        for seq, _ in prefill:
             assert seq.slot is not None
-            # A chunk that completes a sequence's pending tokens yields its next-token logits.
-            complete = len(chunk) == len(seq.pending_ids())
-            logits = self.runner.prefill(seq.slot, seq.cached, chunk, logits=complete)
+        # A chunk that completes a sequence's pending tokens yields its next-token logits.
+        complete = [len(chunk) == len(seq.pending_ids()) for seq, chunk in prefill]
+        slots = [seq.slot for seq in decode]
+        assert all(s is not None for s in slots)
+        tokens = [seq.pending_ids()[0] for seq in decode]
+        pre_logits, dec_logits = self.runner.step(
+            [(seq.slot, seq.cached, chunk) for seq, chunk in prefill],  # type: ignore[misc]
+            slots, [seq.cached for seq in decode], tokens)  # type: ignore[arg-type]
+        for (seq, chunk), done, logits in zip(prefill, complete, pre_logits):
             seq.cached += len(chunk)
             self._prefill_tokens += len(chunk)
-            if logits is not None:
+            if done:
                 sampled[seq] = self._sample(seq, logits)
-        if decode:
-            slots = [seq.slot for seq in decode]
-            assert all(s is not None for s in slots)
-            tokens = [seq.pending_ids()[0] for seq in decode]
-            logits = self.runner.decode(slots, [seq.cached for seq in decode], tokens)  # type: ignore[arg-type]
-            for seq, row in zip(decode, logits):
+        if dec_logits is not None:
+            for seq, row in zip(decode, dec_logits):
                 seq.cached += 1
                 sampled[seq] = self._sample(seq, row)
             self._decode_tokens += len(decode)
