@@ -200,3 +200,30 @@ def test_packed_step_matches_full_forward(model_and_tokenizer) -> None:  # type:
         for i, s in enumerate(seqs):
             want = model(input_ids=torch.tensor([s])).logits[0, -1]
             assert torch.allclose(last[i], want, atol=1e-4)
+
+
+@pytest.mark.anyio
+async def test_bf16_serving_is_seeded_and_close_to_fp32() -> None:
+    """bf16 weights and cache: a seed still reproduces, logprobs are fp32 numbers near the fp32 model's."""
+    from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+
+    tok = build_char_tokenizer()
+    reference = build_tiny_model(tiny_config(len(tok)), seed=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LocalEngine(reference, tok, dtype="fp8")
+    engine = LocalEngine(build_tiny_model(tiny_config(len(tok)), seed=0), tok, max_batch=4, dtype="bf16")
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    prompt = tok.encode("def f(x):")
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, sampling_seed=3)
+    await engine.start()
+    try:
+        first, second = [await asyncio.wait_for(_run(engine, engine.submit(prompt, params)), 30) for _ in range(2)]
+    finally:
+        await engine.aclose()
+    assert first.output_ids == second.output_ids and first.logprobs == second.logprobs
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([prompt + first.output_ids])).logits[0]
+    want = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+    got = torch.tensor(first.logprobs)
+    expected = want[torch.arange(len(first.output_ids)), torch.tensor(first.output_ids)]
+    assert torch.allclose(got, expected, atol=0.1)  # bf16 rounding of an 8-bit mantissa, not a different model

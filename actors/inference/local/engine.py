@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
+SERVING_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""Serving dtypes of the local engine (``inference.dtype`` / ``--dtype``); fp32 is the default."""
+
+
 class WeightUpdateError(Exception):
     """New weights could not be applied (the old ones stay in place)."""
 
@@ -138,9 +142,16 @@ class LocalEngine:
         chunk_size: int = 512,
         weight_version: str = "default",
         model_path: str = "",
+        dtype: str = "fp32",
     ) -> None:
         if max_batch < 1 or chunk_size < 1:
             raise ValueError("max_batch and chunk_size must be at least 1")
+        if dtype not in SERVING_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, not {dtype!r}")
+        # bf16 serving: weights and KV cache in bf16 (2-4x faster GEMMs on CPUs with avx512_bf16);
+        # logits are cast to fp32 before the log-softmax, so logprobs are computed in fp32.
+        model = model.to(SERVING_DTYPES[dtype])
+        self.dtype = dtype
         self.model = model
         self.tokenizer = tokenizer
         self.runner = SlotRunner(model, max_slots=max_batch)
