@@ -114,6 +114,7 @@ class Deployment:
                 # the embedded server requires the configured key, which the actor's client sends
                 urls = [await enter(LocalServer(self.model_dir, log_path=self.run_dir / "logs" / "inference-server.log",
                                                 max_batch=self.cfg.inference.max_batch,
+                                                dtype=self.cfg.inference.dtype,
                                                 api_key=self.cfg.inference.resolved_api_key()))]
             self.inference_urls = urls
             tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
