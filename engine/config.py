@@ -174,6 +174,9 @@ class InferenceConfig(Section):
     """Partition of rollout.sandbox.results this instance reads its sandbox replies from (unique per instance)."""
     max_batch: int = Field(64, ge=1)
     """Local backend: most sequences decoded together."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Local backend: serving dtype of weights and KV cache (`rollout inference serve --dtype`); bf16 is
+    faster on CPUs with avx512_bf16; logprobs are computed in fp32 from the logits either way."""
     stream_interval: int = Field(1, ge=1)
     """Tokens per ``rollout.tokens`` record: new tokens are sent once this many have come (the rest when
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and

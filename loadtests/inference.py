@@ -117,11 +117,11 @@ def _real_requests(tok, n: int) -> list[tuple[list[int], int]]:  # type: ignore[
     return out
 
 
-async def _engine_real(model, tok, requests: list[tuple[list[int], int]]) -> float:  # type: ignore[no-untyped-def]
+async def _engine_real(model, tok, requests: list[tuple[list[int], int]], dtype: str = "fp32") -> float:  # type: ignore[no-untyped-def]
     from actors.inference.local.engine import LocalEngine
     from actors.inference.local.protocol import SamplingParams
 
-    engine = LocalEngine(model, tok, max_batch=len(requests), chunk_size=CHUNK)
+    engine = LocalEngine(model, tok, max_batch=len(requests), chunk_size=CHUNK, dtype=dtype)
     await engine.start()
     try:
         warm = engine.submit(requests[0][0], SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))
@@ -155,8 +155,11 @@ def _hf_generate_real(model, tok, requests: list[tuple[list[int], int]]) -> floa
     return time.perf_counter() - start
 
 
-def real_model(model_dir: Path, n: int, threads: int) -> dict[str, float]:
-    """The local engine against ``transformers`` ``generate`` on the same model and requests (same process)."""
+def real_model(model_dir: Path, n: int, threads: int, dtype: str = "fp32") -> dict[str, float]:
+    """The local engine (serving ``dtype``) against fp32 ``transformers`` ``generate`` on the same requests.
+
+    A bf16 engine serves a copy of the model; the baseline always runs the fp32 original.
+    """
     import torch
 
     from actors.llm import load_model_dir
@@ -165,14 +168,18 @@ def real_model(model_dir: Path, n: int, threads: int) -> dict[str, float]:
     model, tok = load_model_dir(model_dir)
     requests = _real_requests(tok, n)
     useful = sum(k for _, k in requests)
-    engine_s = asyncio.run(_engine_real(model, tok, requests))
+    # the engine runs first (as before bf16 existed: a cold first generate call in a fresh process ran ~8x
+    # slower here); a bf16 engine casts in place, so it serves a copy and generate keeps the fp32 model
+    import copy
+
+    engine_s = asyncio.run(_engine_real(model if dtype == "fp32" else copy.deepcopy(model), tok, requests, dtype))
     hf_s = _hf_generate_real(model, tok, requests)
-    figures = {"real_requests": n, "real_useful_tokens": useful, "real_engine_s": round(engine_s, 2),
+    figures = {"real_engine_dtype": dtype, "real_hf_generate_dtype": "fp32", "real_requests": n, "real_useful_tokens": useful, "real_engine_s": round(engine_s, 2),
                "real_hf_generate_s": round(hf_s, 2), "real_engine_tokens_per_s": round(useful / engine_s, 1),
                "real_hf_generate_tokens_per_s": round(useful / hf_s, 1),
                "hf_generate_ratio": round(hf_s / engine_s, 2)}
     print(f"{'real model':<22} {'seconds':>8} {'tokens/s':>9}   ({n} chat requests, {useful} new tokens, 16..64 each)")
-    print(f"{'local engine':<22} {engine_s:>8.1f} {useful / engine_s:>9.1f}")
+    print(f"{'local engine (' + dtype + ')':<22} {engine_s:>8.1f} {useful / engine_s:>9.1f}")
     print(f"{'transformers generate':<22} {hf_s:>8.1f} {useful / hf_s:>9.1f}")
     print(f"hf_generate_ratio: {figures['hf_generate_ratio']}x\n")
     return figures
@@ -197,6 +204,7 @@ def main() -> int:
     )
     parser.add_argument("--model-dir", type=Path, help="also measure this real model against transformers generate")
     parser.add_argument("--real-requests", type=int, default=32, help="chat requests of the real-model run (default 32)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="serving dtype of the real-model engine run")
     parser.add_argument("--real-threads", type=int, default=2, help="torch threads of the real-model run (default 2)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -233,7 +241,7 @@ def main() -> int:
 
         print(f"{n:>8} {fmt(chunked['peak_mb'], 11)} {fmt(chunked['seconds'], 10)} {fmt(full['peak_mb'], 9)} {fmt(full['seconds'], 8)}")
     if args.model_dir:
-        figures.update(real_model(args.model_dir, 8 if args.quick else args.real_requests, args.real_threads))
+        figures.update(real_model(args.model_dir, 8 if args.quick else args.real_requests, args.real_threads, args.dtype))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
     return 0

@@ -35,6 +35,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--chunk-size", type=int, default=512, help="prefill tokens per scheduler step, all prompts together (default: 512)"
     )
+    serve.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                       help="serving dtype of weights and KV cache; logprobs stay fp32 (default: fp32)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the generated tiny model (default: 0)")
     serve.add_argument("--weight-version", default="default", help="initial weight version (default: 'default')")
     serve.add_argument(
@@ -104,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_dir=args.model_dir,
         max_batch=args.max_batch,
         chunk_size=args.chunk_size,
+        dtype=args.dtype,
         seed=args.seed,
         weight_version=args.weight_version,
         gc_freeze=args.gc_freeze,

@@ -166,3 +166,64 @@ def test_parse_generate_request_normalises_and_validates() -> None:
         parse_generate_request({"text": "a", "sampling_params": {"stop_token_ids": [99]}}, vocab_size=10)
     assert ValidationFailed("m").body() == {"object": "error", "message": "m", "type": "Bad Request", "param": None, "code": 400}
     assert BadRequest("m").body() == {"error": {"message": "m"}}
+
+
+def test_packed_step_matches_full_forward(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Prefill chunks of several sequences and decode rows in one packed pass give each its own logits."""
+    model, tok = model_and_tokenizer
+    runner = SlotRunner(model, max_slots=8, initial_capacity=4)
+    prompts = [tok.encode(p) for p in ("def f(x):", "1+2=", "ls -la /tmp && echo hi")]
+    slots = [runner.acquire() for _ in prompts]
+    seqs = [list(p) for p in prompts]
+    done = [0, 0, 0]
+    # step 1: first chunks of all three (different lengths); step 2: rest of #2 + its neighbours decode
+    pre, dec = runner.step([(slots[i], 0, prompts[i][:5]) for i in range(3)], [], [], [])
+    assert dec is None and len(pre) == 3
+    done = [min(5, len(p)) for p in prompts]
+    last = {i: pre[i] for i in range(3) if done[i] == len(prompts[i])}
+    for _ in range(4):
+        chunks = [(i, prompts[i][done[i]:done[i] + 6]) for i in range(3) if done[i] < len(prompts[i])]
+        dec_rows = [i for i in range(3) if done[i] >= len(prompts[i])]
+        toks = [int(torch.argmax(last[i])) for i in dec_rows]
+        for i, t in zip(dec_rows, toks):
+            seqs[i].append(t)
+        pre, dec = runner.step([(slots[i], done[i], c) for i, c in chunks], [slots[i] for i in dec_rows],
+                               [len(seqs[i]) - 1 for i in dec_rows], toks)
+        for (i, c), logits in zip(chunks, pre):
+            done[i] += len(c)
+            if done[i] == len(prompts[i]):
+                last[i] = logits
+        for i, row in zip(dec_rows, dec if dec is not None else []):
+            last[i] = row
+    assert all(d == len(p) for d, p in zip(done, prompts))
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            want = model(input_ids=torch.tensor([s])).logits[0, -1]
+            assert torch.allclose(last[i], want, atol=1e-4)
+
+
+@pytest.mark.anyio
+async def test_bf16_serving_is_seeded_and_close_to_fp32() -> None:
+    """bf16 weights and cache: a seed still reproduces, logprobs are fp32 numbers near the fp32 model's."""
+    from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+
+    tok = build_char_tokenizer()
+    reference = build_tiny_model(tiny_config(len(tok)), seed=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LocalEngine(reference, tok, dtype="fp8")
+    engine = LocalEngine(build_tiny_model(tiny_config(len(tok)), seed=0), tok, max_batch=4, dtype="bf16")
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    prompt = tok.encode("def f(x):")
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, sampling_seed=3)
+    await engine.start()
+    try:
+        first, second = [await asyncio.wait_for(_run(engine, engine.submit(prompt, params)), 30) for _ in range(2)]
+    finally:
+        await engine.aclose()
+    assert first.output_ids == second.output_ids and first.logprobs == second.logprobs
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([prompt + first.output_ids])).logits[0]
+    want = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+    got = torch.tensor(first.logprobs)
+    expected = want[torch.arange(len(first.output_ids)), torch.tensor(first.output_ids)]
+    assert torch.allclose(got, expected, atol=0.1)  # bf16 rounding of an 8-bit mantissa, not a different model

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
+SERVING_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""Serving dtypes of the local engine (``inference.dtype`` / ``--dtype``); fp32 is the default."""
+
+
 class WeightUpdateError(Exception):
     """New weights could not be applied (the old ones stay in place)."""
 
@@ -138,9 +142,16 @@ class LocalEngine:
         chunk_size: int = 512,
         weight_version: str = "default",
         model_path: str = "",
+        dtype: str = "fp32",
     ) -> None:
         if max_batch < 1 or chunk_size < 1:
             raise ValueError("max_batch and chunk_size must be at least 1")
+        if dtype not in SERVING_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, not {dtype!r}")
+        # bf16 serving: weights and KV cache in bf16 (2-4x faster GEMMs on CPUs with avx512_bf16);
+        # logits are cast to fp32 before the log-softmax, so logprobs are computed in fp32.
+        model = model.to(SERVING_DTYPES[dtype])
+        self.dtype = dtype
         self.model = model
         self.tokenizer = tokenizer
         self.runner = SlotRunner(model, max_slots=max_batch)
@@ -397,57 +408,81 @@ class LocalEngine:
     def _step_sync(self, prefill: list[tuple[Sequence, list[int]]], decode: list[Sequence]) -> dict[Sequence, _Sampled]:
         """Worker-thread part of a step: forward passes, cache updates, sampling."""
         sampled: dict[Sequence, _Sampled] = {}
-        for seq, chunk in prefill:
+        for seq, _ in prefill:
             assert seq.slot is not None
-            # A chunk that completes a sequence's pending tokens yields its next-token logits.
-            complete = len(chunk) == len(seq.pending_ids())
-            logits = self.runner.prefill(seq.slot, seq.cached, chunk, logits=complete)
+        # A chunk that completes a sequence's pending tokens yields its next-token logits.
+        complete = [len(chunk) == len(seq.pending_ids()) for seq, chunk in prefill]
+        slots = [seq.slot for seq in decode]
+        assert all(s is not None for s in slots)
+        tokens = [seq.pending_ids()[0] for seq in decode]
+        pre_logits, dec_logits = self.runner.step(
+            [(seq.slot, seq.cached, chunk) for seq, chunk in prefill],  # type: ignore[misc]
+            slots, [seq.cached for seq in decode], tokens)  # type: ignore[arg-type]
+        rows: list[Sequence] = []
+        row_logits: list[torch.Tensor] = []
+        for (seq, chunk), done, logits in zip(prefill, complete, pre_logits):
             seq.cached += len(chunk)
             self._prefill_tokens += len(chunk)
-            if logits is not None:
-                sampled[seq] = self._sample(seq, logits)
-        if decode:
-            slots = [seq.slot for seq in decode]
-            assert all(s is not None for s in slots)
-            tokens = [seq.pending_ids()[0] for seq in decode]
-            logits = self.runner.decode(slots, [seq.cached for seq in decode], tokens)  # type: ignore[arg-type]
-            for seq, row in zip(decode, logits):
+            if done:
+                rows.append(seq)
+                row_logits.append(logits)
+        if dec_logits is not None:
+            for seq in decode:
                 seq.cached += 1
-                sampled[seq] = self._sample(seq, row)
+            rows.extend(decode)
+            row_logits.extend(dec_logits)
             self._decode_tokens += len(decode)
+        if rows:
+            sampled.update(zip(rows, self._sample_batch(rows, torch.stack(row_logits))))
         return sampled
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> _Sampled:
+    def _sample_batch(self, seqs: list[Sequence], logits: torch.Tensor) -> list[_Sampled]:
+        """Sample every row of a step at once: one masked, temperature-scaled log-softmax over the batch.
+
+        Per-row parameters are tensors; greedy rows take one batched argmax. Truncated random draws stay
+        per row (each sequence's seeded generator must see exactly its own draws, so a seed reproduces).
+        """
+        logits = logits.float()
+        for i, seq in enumerate(seqs):
+            params = seq.params
+            if len(seq.output_ids) < params.min_new_tokens:
+                blocked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+                if blocked and len(blocked) < logits.shape[1]:
+                    logits[i, list(blocked)] = float("-inf")
+        temps = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs],
+                             dtype=logits.dtype).view(-1, 1)
+        logprobs = torch.log_softmax(logits / temps, dim=-1)
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[i] = self._draw(seq, logprobs[i])
+        chosen = logprobs.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1).tolist()
+        k = max(s.top_logprobs_num for s in seqs)
+        tops: list[list[tuple[float, int]]] = [[] for _ in seqs]
+        if k > 0:
+            values, indices = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
+            vals, idx = values.tolist(), indices.tolist()
+            for i, seq in enumerate(seqs):
+                n = seq.top_logprobs_num
+                tops[i] = [(float(v), int(j)) for v, j in zip(vals[i][:n], idx[i][:n])]
+        return [_Sampled(token=int(t), logprob=float(lp), top=top) for t, lp, top in zip(tokens, chosen, tops)]
+
+    def _draw(self, seq: Sequence, logprobs: torch.Tensor) -> int:
+        """A random draw after top-k / top-p / min-p truncation, from this sequence's own generator."""
         params = seq.params
-        if len(seq.output_ids) < params.min_new_tokens:
-            blocked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
-            if blocked and len(blocked) < logits.numel():  # masking every token would leave nothing to sample
-                logits = logits.clone()
-                logits[list(blocked)] = float("-inf")
-        temperature = params.temperature if params.temperature > 0 else 1.0
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        if params.greedy:
-            token = int(torch.argmax(logits))
-        else:
-            probs = logprobs.exp()
-            if params.top_k > 0 and params.top_k < probs.numel():
-                kth = torch.topk(probs, params.top_k).values[-1]
-                probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-            if params.top_p < 1.0:
-                sorted_probs, order = torch.sort(probs, descending=True)
-                cumulative = torch.cumsum(sorted_probs, dim=0) / sorted_probs.sum()
-                # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-                drop = (cumulative - sorted_probs / sorted_probs.sum()) >= params.top_p
-                sorted_probs[drop] = 0.0
-                probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-            if params.min_p > 0.0:
-                probs = torch.where(probs >= probs.max() * params.min_p, probs, torch.zeros_like(probs))
-            token = int(torch.multinomial(probs, 1, generator=seq.generator))
-        top: list[tuple[float, int]] = []
-        if seq.top_logprobs_num > 0:
-            values, indices = torch.topk(logprobs, min(seq.top_logprobs_num, logprobs.numel()))
-            top = [(float(v), int(i)) for v, i in zip(values, indices)]
-        return _Sampled(token=token, logprob=float(logprobs[token]), top=top)
+        probs = logprobs.exp()
+        if params.top_k > 0 and params.top_k < probs.numel():
+            kth = torch.topk(probs, params.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=0) / sorted_probs.sum()
+            drop = (cumulative - sorted_probs / sorted_probs.sum()) >= params.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        if params.min_p > 0.0:
+            probs = torch.where(probs >= probs.max() * params.min_p, probs, torch.zeros_like(probs))
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _append(self, seq: Sequence, sampled: _Sampled, version: str) -> None:
         if seq.finished:

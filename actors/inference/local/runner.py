@@ -194,6 +194,85 @@ class SlotRunner:
             hidden = hidden + module.mlp(module.post_attention_layernorm(hidden))
         return self._logits(hidden[:, -1])[0] if logits else None
 
+    @torch.inference_mode()
+    def step(self, prefill: list[tuple[int, int, list[int]]], decode_slots: list[int], decode_positions: list[int],
+             decode_tokens: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Prefill chunks of several sequences and one decode token per running row in ONE forward pass.
+
+        ``prefill`` holds ``(slot, start, token_ids)`` chunks. All tokens are packed into one row, so the
+        projections and MLPs (the cost on CPU) run as one GEMM over every token of the step; only the
+        attention is split: each prefill chunk attends to its own slot, the decode rows attend as one
+        batch like :meth:`decode`. Returns the last-token logits of each prefill chunk and the decode
+        rows' logits (``None`` when there are none).
+        """
+        if not prefill and not decode_slots:
+            raise ValueError("step() needs at least one prefill chunk or decode row")
+        ids: list[int] = []
+        positions: list[int] = []
+        for slot, start, chunk in prefill:
+            if not chunk:
+                raise ValueError("step() got an empty prefill chunk")
+            self._ensure_capacity(start + len(chunk))
+            ids.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+        n_pre = len(ids)
+        batch = len(decode_slots)
+        if batch:
+            self._ensure_capacity(max(decode_positions) + 1)
+            ids.extend(decode_tokens)
+            positions.extend(decode_positions)
+        total = len(ids)
+        pos = torch.tensor(positions, dtype=torch.long).view(1, total)
+        hidden = self.body.embed_tokens(torch.tensor(ids, dtype=torch.long).view(1, total))
+        cos, sin = self._rotary(hidden, pos)
+        dec_mask = dec_slot = dec_pos = None
+        longest = 0
+        if batch:
+            longest = max(decode_positions) + 1
+            dec_pos = torch.tensor(decode_positions, dtype=torch.long)
+            dec_slot = torch.tensor(decode_slots, dtype=torch.long)
+            dec_mask = (torch.arange(longest).view(1, longest) <= dec_pos.view(batch, 1)).view(batch, 1, 1, longest)
+        masks = []
+        for _, start, chunk in prefill:
+            n, end = len(chunk), start + len(chunk)
+            rows = torch.arange(start, end).view(n, 1)
+            masks.append(None if start == 0 else (torch.arange(end).view(1, end) <= rows).view(1, 1, n, end))
+        gqa = self.kv_heads != self.heads
+        last_rows: list[int] = []
+        for layer, module in enumerate(self.layers):
+            attn = module.self_attn
+            x = module.input_layernorm(hidden)
+            q, k, v = self._qkv(attn, x, 1, total, cos, sin)  # (1, heads, total, d)
+            cache_k, cache_v = self.k[layer], self.v[layer]
+            outs = []
+            offset = 0
+            for (slot, start, chunk), mask in zip(prefill, masks):
+                n, end = len(chunk), start + len(chunk)
+                cache_k[slot, :, start:end] = k[0, :, offset:offset + n]
+                cache_v[slot, :, start:end] = v[0, :, offset:offset + n]
+                out = F.scaled_dot_product_attention(
+                    q[:, :, offset:offset + n], cache_k[slot:slot + 1, :, :end], cache_v[slot:slot + 1, :, :end],
+                    attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+                outs.append(out[0].transpose(0, 1))  # (n, heads, d)
+                offset += n
+                if layer == 0:
+                    last_rows.append(offset - 1)
+            if batch:
+                dk, dv = k[0, :, n_pre:].transpose(0, 1), v[0, :, n_pre:].transpose(0, 1)  # (B, kv_heads, d)
+                cache_k[dec_slot, :, dec_pos] = dk
+                cache_v[dec_slot, :, dec_pos] = dv
+                keys = cache_k[:, :, :longest].index_select(0, dec_slot)
+                values = cache_v[:, :, :longest].index_select(0, dec_slot)
+                dq = q[0, :, n_pre:].transpose(0, 1).unsqueeze(2)  # (B, heads, 1, d)
+                out = F.scaled_dot_product_attention(dq, keys, values, attn_mask=dec_mask, enable_gqa=gqa)
+                outs.append(out[:, :, 0])  # (B, heads, d)
+            merged = torch.cat(outs, dim=0).reshape(1, total, -1)
+            hidden = hidden + attn.o_proj(merged)
+            hidden = hidden + module.mlp(module.post_attention_layernorm(hidden))
+        pick = last_rows + list(range(n_pre, total))
+        logits = self._logits(hidden[0, pick])
+        return list(logits[: len(prefill)]), (logits[len(prefill):] if batch else None)
+
     # -- pieces ------------------------------------------------------------------------------------
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.body.rotary_emb(hidden, position_ids)  # (B, T, head_dim)

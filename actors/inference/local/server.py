@@ -58,6 +58,7 @@ class ServerConfig:
     model_dir: str | None = None
     max_batch: int = 32
     chunk_size: int = 512
+    dtype: str = "fp32"
     seed: int = 0
     weight_version: str = "default"
     gc_freeze: bool = False
@@ -475,6 +476,7 @@ async def _load_engine(state: _State) -> None:
         tokenizer,
         max_batch=config.max_batch,
         chunk_size=config.chunk_size,
+        dtype=config.dtype,
         weight_version=config.weight_version,
         model_path=state.model_dir,
     )
