@@ -48,7 +48,7 @@ from actors.domains import RewardBreakdown, score
 from actors.runtime import Runtime, StreamActor
 from engine.config import RewardConfig
 from engine.schemas import Completion, Experience, Outcome
-from streams.kafka import Consumer, Record
+from streams.protocols import EventConsumer, EventRecord
 
 log = logging.getLogger("rollout.actors.reward")
 
@@ -255,7 +255,7 @@ def experience_message_id(sample_id: str) -> str:
 class _Scored:
     """One outcome, scored, waiting for its group."""
 
-    record: Record
+    record: EventRecord
     experience: Experience
     """Everything but the advantage and the filter, filled in when the group is flushed."""
     reward: RewardBreakdown
@@ -283,16 +283,16 @@ class RewardActor(StreamActor):
         self._last_stats_put = 0.0
         self.duplicates = 0
         self.emitted = 0
-        self._riders: dict[str, list[Record]] = {}
+        self._riders: dict[str, list[EventRecord]] = {}
         """Re-deliveries of outcomes whose group is still pending: acknowledged with the group, so a
         re-delivery never lets the committed offset pass an outcome that has not been emitted yet."""
 
-    def make_consumer(self) -> Consumer:
+    def make_consumer(self) -> EventConsumer:
         return self.rt.consumer(self.role, self.topics, self.expect,
                                 max_in_flight=max(self.concurrency * 4, self.max_pending_samples))
 
     # -- handling ------------------------------------------------------------------------------
-    async def handle(self, record: Record) -> None:
+    async def handle(self, record: EventRecord) -> None:
         outcome = record.message
         assert isinstance(outcome, Outcome)
         if not self._seen.add(record.message_id):
@@ -323,13 +323,13 @@ class RewardActor(StreamActor):
                 if arrival is Arrival.COMPLETE:
                     await self._flush(completion.task_id, timed_out=False)
 
-    def _duplicate(self, record: Record, task_id: str) -> None:
+    def _duplicate(self, record: EventRecord, task_id: str) -> None:
         self.duplicates += 1
         if self.assembler.is_pending(task_id):
             self.defer_ack(record)
             self._riders.setdefault(task_id, []).append(record)
 
-    def _score(self, record: Record, outcome: Outcome, completion: Completion) -> _Scored:
+    def _score(self, record: EventRecord, outcome: Outcome, completion: Completion) -> _Scored:
         domain = completion.domain
         verifier_error = bool(outcome.error)
         if verifier_error:

@@ -21,7 +21,8 @@ from actors.sandbox.settings import clamp_spec
 from engine.schemas import EPISODES_FULL, SandboxRequest, SandboxResult
 from sandboxes import SandboxError
 from sandboxes.verifiers import TerminalEpisode
-from streams.kafka import Record, StreamError
+from streams.kafka import StreamError
+from streams.protocols import EventRecord
 
 log = logging.getLogger("rollout.actors.sandbox")
 
@@ -71,7 +72,7 @@ class EpisodeActor(_SandboxActorBase):
         self._next_idle_check = 0.0
         self.opened = self.closed = self.idle_closed = self.replayed = self.unknown = 0
 
-    async def handle(self, record: Record) -> None:
+    async def handle(self, record: EventRecord) -> None:
         req = record.message
         assert isinstance(req, SandboxRequest)
         partitions = self.rt.partitions("sandbox.results")
