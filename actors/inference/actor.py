@@ -28,7 +28,6 @@ from typing import Any
 
 import anyio
 import numpy as np
-from opentelemetry.trace import SpanKind
 
 from actors import tracing
 from actors.llm import has_chat_template, render_observation, render_prompt
@@ -94,6 +93,8 @@ class InferenceActor(StreamActor):
     topics = ["tasks"]
     expect = ("task",)
     infra_errors = INFRA_ERRORS + (SGLangError,)  # a failing server must not dead-letter tasks
+    # No ``span_name``: one task fans out into ``group_size`` samples, each traced as its own ``generate``
+    # span (``record_span``, the hook's span opener) so a sample's sandbox steps and verify hang under it.
 
     def __init__(self, rt: Runtime, urls: list[str], tokenizer: Any, *, reply_partition: int = 0,
                  weights_dir: str | Path | None = None, name: str | None = None) -> None:
@@ -267,13 +268,11 @@ class InferenceActor(StreamActor):
     async def _run_sample(self, record: EventRecord, task: Task, index: int, prompt_ids: list[int],
                           out: list[Completion | None], out_headers: list[dict[str, str]]) -> None:
         """Generate sample ``index`` of the group under its ``generate`` span (the parent of its sandbox steps)."""
-        with tracing.tracer().start_as_current_span("generate", context=tracing.record_context(record),
-                                                    kind=SpanKind.CONSUMER) as span:
+        with self.record_span(record, "generate") as span:
             completion = await self._generate_sample(record, task, index, prompt_ids)
             if span.is_recording():
                 versions = sorted({int(v) for v in completion.weight_versions.tolist() if v >= 0})
                 span.set_attributes({
-                    **tracing.record_attributes(record), "rollout.role": self.role,
                     "rollout.task_id": task.task_id, "rollout.sample_id": completion.sample_id,
                     "rollout.domain": task.domain, "rollout.group_index": index,
                     "rollout.prompt_tokens": len(prompt_ids),
