@@ -173,7 +173,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, system: st
         from actors.tools import render_tool_messages
         text = render_tool_messages(tokenizer, messages, tools)
     else:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

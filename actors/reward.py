@@ -41,14 +41,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
-from opentelemetry.trace import SpanKind
+from opentelemetry import trace
 
 from actors import tracing
 from actors.domains import RewardBreakdown, score
 from actors.runtime import Runtime, StreamActor
 from engine.config import RewardConfig
 from engine.schemas import Completion, Experience, Outcome
-from streams.kafka import Consumer, Record
+from streams.protocols import EventConsumer, EventRecord
 
 log = logging.getLogger("rollout.actors.reward")
 
@@ -255,7 +255,7 @@ def experience_message_id(sample_id: str) -> str:
 class _Scored:
     """One outcome, scored, waiting for its group."""
 
-    record: Record
+    record: EventRecord
     experience: Experience
     """Everything but the advantage and the filter, filled in when the group is flushed."""
     reward: RewardBreakdown
@@ -270,6 +270,7 @@ class RewardActor(StreamActor):
     role: ClassVar[str] = "reward"
     topics: ClassVar[list[str]] = ["outcomes"]
     expect: ClassVar[tuple[str, ...]] = (Outcome.SCHEMA,)
+    span_name: ClassVar[str | None] = "reward"  # the runtime's span around handle (actors/runtime.py)
     stats_interval_s: float = 2.0
     max_pending_samples: int = 8192
     """Outcomes held unacknowledged in incomplete groups before fetching pauses (until timeouts flush)."""
@@ -283,53 +284,57 @@ class RewardActor(StreamActor):
         self._last_stats_put = 0.0
         self.duplicates = 0
         self.emitted = 0
-        self._riders: dict[str, list[Record]] = {}
+        self._riders: dict[str, list[EventRecord]] = {}
         """Re-deliveries of outcomes whose group is still pending: acknowledged with the group, so a
         re-delivery never lets the committed offset pass an outcome that has not been emitted yet."""
 
-    def make_consumer(self) -> Consumer:
+    def make_consumer(self) -> EventConsumer:
         return self.rt.consumer(self.role, self.topics, self.expect,
                                 max_in_flight=max(self.concurrency * 4, self.max_pending_samples))
 
     # -- handling ------------------------------------------------------------------------------
-    async def handle(self, record: Record) -> None:
+    async def handle(self, record: EventRecord) -> None:
         outcome = record.message
         assert isinstance(outcome, Outcome)
+        completion = outcome.completion_msg()
+        span = trace.get_current_span()  # the runtime's "reward" span (span_name)
         if not self._seen.add(record.message_id):
-            self._duplicate(record, outcome.completion_msg().task_id)
-            return
-        with tracing.tracer().start_as_current_span("reward", context=tracing.record_context(record),
-                                                    kind=SpanKind.CONSUMER) as span:
-            completion = outcome.completion_msg()
-            scored = self._score(record, outcome, completion)
-            scored = dataclasses.replace(scored, trace_headers=tracing.trace_headers(span))
-            arrival = self.assembler.add(completion.task_id, completion.sample_id, completion.group_size, scored)
+            # a re-delivered outcome is a handled message too: its span says so and scores nothing
             if span.is_recording():
-                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role,
-                                     "rollout.sample_id": completion.sample_id, "rollout.task_id": completion.task_id,
-                                     "rollout.domain": completion.domain, "rollout.reward": scored.reward.total,
-                                     "rollout.correctness": scored.reward.correctness,
-                                     "rollout.arrival": arrival.value, "rollout.verifier_error": scored.verifier_error})
-            if arrival is Arrival.DUPLICATE:
-                self._duplicate(record, completion.task_id)
-                return
-            self._observe(completion.domain, scored)
-            if arrival is Arrival.STRAGGLER:
-                self.stats[completion.domain].stragglers += 1
-                straggler = dataclasses.replace(scored.experience, advantage=0.0, filtered="straggler")
-                await self._send(scored, straggler)
-            else:
-                self.defer_ack(record)
-                if arrival is Arrival.COMPLETE:
-                    await self._flush(completion.task_id, timed_out=False)
+                span.set_attributes({"rollout.sample_id": completion.sample_id, "rollout.task_id": completion.task_id,
+                                     "rollout.domain": completion.domain, "rollout.duplicate": True,
+                                     "rollout.arrival": Arrival.DUPLICATE.value})
+            self._duplicate(record, completion.task_id)
+            return
+        scored = self._score(record, outcome, completion)
+        scored = dataclasses.replace(scored, trace_headers=tracing.trace_headers(span))
+        arrival = self.assembler.add(completion.task_id, completion.sample_id, completion.group_size, scored)
+        if span.is_recording():
+            span.set_attributes({"rollout.sample_id": completion.sample_id, "rollout.task_id": completion.task_id,
+                                 "rollout.domain": completion.domain, "rollout.reward": scored.reward.total,
+                                 "rollout.correctness": scored.reward.correctness,
+                                 "rollout.arrival": arrival.value, "rollout.verifier_error": scored.verifier_error,
+                                 "rollout.duplicate": arrival is Arrival.DUPLICATE})
+        if arrival is Arrival.DUPLICATE:
+            self._duplicate(record, completion.task_id)
+            return
+        self._observe(completion.domain, scored)
+        if arrival is Arrival.STRAGGLER:
+            self.stats[completion.domain].stragglers += 1
+            straggler = dataclasses.replace(scored.experience, advantage=0.0, filtered="straggler")
+            await self._send(scored, straggler)
+        else:
+            self.defer_ack(record)
+            if arrival is Arrival.COMPLETE:
+                await self._flush(completion.task_id, timed_out=False)
 
-    def _duplicate(self, record: Record, task_id: str) -> None:
+    def _duplicate(self, record: EventRecord, task_id: str) -> None:
         self.duplicates += 1
         if self.assembler.is_pending(task_id):
             self.defer_ack(record)
             self._riders.setdefault(task_id, []).append(record)
 
-    def _score(self, record: Record, outcome: Outcome, completion: Completion) -> _Scored:
+    def _score(self, record: EventRecord, outcome: Outcome, completion: Completion) -> _Scored:
         domain = completion.domain
         verifier_error = bool(outcome.error)
         if verifier_error:

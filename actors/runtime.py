@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import anyio
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 
 from actors import tracing
 from engine.actor import Actor
@@ -242,15 +242,23 @@ class StreamActor(Actor):
             limiter.release()
 
     @contextlib.contextmanager
+    def record_span(self, record: EventRecord, name: str) -> Iterator[Span]:
+        """A CONSUMER span ``name``, child of ``record``'s traceparent, with its messaging attributes and
+        ``rollout.role``. The hook opens one around ``handle``; a handler that fans one record out into
+        several units of work, each traced on its own (the inference actor's samples), opens one per unit."""
+        with tracing.tracer().start_as_current_span(name, context=tracing.record_context(record),
+                                                    kind=SpanKind.CONSUMER) as span:
+            if span.is_recording():
+                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role})
+            yield span
+
+    @contextlib.contextmanager
     def _handling_span(self, record: EventRecord) -> Iterator[None]:
         """The span of one handled record (``span_name``), or nothing when the role traces by itself."""
         if self.span_name is None:
             yield
             return
-        with tracing.tracer().start_as_current_span(self.span_name, context=tracing.record_context(record),
-                                                    kind=SpanKind.CONSUMER) as span:
-            if span.is_recording():
-                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role})
+        with self.record_span(record, self.span_name) as span:
             self._span_parents[id(record)] = tracing.traceparent_of(span) or record.traceparent
             yield
 

@@ -23,7 +23,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from streams.kafka import HEADER_TRACEPARENT, Record
+from streams.kafka import HEADER_TRACEPARENT
+from streams.protocols import EventRecord
 
 TRACER_NAME = "rollout-engine"
 
@@ -63,7 +64,7 @@ def _parse_traceparent(value: str) -> trace.SpanContext | None:
 _TRACEPARENT_00 = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
-def record_context(record: Record) -> Context:
+def record_context(record: EventRecord) -> Context:
     """The parent context carried by a consumed record's ``traceparent`` header."""
     return context_of(record.traceparent)
 
@@ -92,7 +93,7 @@ def span_context_of(traceparent: str | None) -> trace.SpanContext | None:
     return ctx if ctx.is_valid else None
 
 
-def record_attributes(record: Record) -> dict[str, Any]:
+def record_attributes(record: EventRecord) -> dict[str, Any]:
     """Messaging attributes of a consumed record (OpenTelemetry semantic conventions)."""
     return {
         "messaging.system": "kafka",

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import _netns
-from loadtests.chaos import REPO, Chaos, Plan, RoleProc, pipeline_config, write_toml
+from loadtests._cluster import REPO, RoleProc, pipeline_config, write_toml
+from loadtests.chaos import Chaos, Plan
 from ops.infra import InfraConfig, KafkaBroker, NatsServer, free_port
 from ops.infra.process import PidRecord
 

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
 from prometheus_client.core import GaugeMetricFamily
@@ -39,6 +39,15 @@ if TYPE_CHECKING:
     from actors.runtime import Runtime
 
 log = logging.getLogger("rollout.heartbeat")
+
+
+@runtime_checkable
+class CoreNats(Protocol):
+    """A control store that also holds a core NATS connection (``streams.nats.Nats``): heartbeats are plain
+    publishes, outside the :class:`~streams.protocols.ControlStore` protocol, so only such a store has them."""
+
+    nc: Any
+
 
 LAG_TIMEOUT_S = 2.0
 """Longest wait for one consumer's lag (it asks the broker for end and committed offsets)."""
@@ -130,10 +139,10 @@ class Heartbeater:
 
     async def beat(self) -> int:
         """Publish one heartbeat per actor now; returns how many were published."""
-        nats = self.rt.nats
-        nc = nats.nc if nats is not None else None
+        store = self.rt.nats
+        nc = store.nc if isinstance(store, CoreNats) else None
         if nc is None:
-            raise RuntimeError("heartbeats need the runtime's NATS connection")
+            raise RuntimeError("heartbeats need the runtime's NATS connection (core NATS publish)")
         sent = 0
         for hb in await self.heartbeats():
             data, _ = encode(hb, producer=self.producer)

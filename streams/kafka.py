@@ -39,6 +39,7 @@ from streams.codec import DecodeError, Envelope, decode, encode
 from streams.kafka_admin import ensure_topics
 from streams.kafka_client import StreamError, _connect_error, _construct, client_security, kafka_reason
 from streams.offsets import OffsetTracker
+from streams.protocols import EventProducer
 
 log = logging.getLogger("rollout.streams.kafka")
 
@@ -79,7 +80,7 @@ class Producer:
         self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
         self._wake_sender = threading.Event()
         self._room = asyncio.Event()
-        self._acks: collections.deque[tuple[asyncio.Future, Any, BaseException | None]] = collections.deque()
+        self._acks: collections.deque[tuple[asyncio.Future[Any], Any, BaseException | None]] = collections.deque()
         self._acks_lock = threading.Lock()
         self._ack_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,7 +113,7 @@ class Producer:
 
     def send_raw_nowait(self, topic: str, value: bytes, *, key: bytes | None = None,
                         headers: list[tuple[str, bytes]] | None = None,
-                        partition: int | None = None) -> asyncio.Future:
+                        partition: int | None = None) -> asyncio.Future[Any]:
         """Queue one record; the future resolves to RecordMetadata when the broker acknowledged it."""
         if self._closed or self._loop is None:
             raise StreamError("producer is closed" if self._closed else "producer not started")
@@ -127,7 +128,7 @@ class Producer:
 
     def send_nowait(self, topic: str, message: Message, *, key: str | None = None,
                     headers: dict[str, str] | None = None, partition: int | None = None,
-                    message_id: str | None = None) -> tuple[asyncio.Future, str]:
+                    message_id: str | None = None) -> tuple[asyncio.Future[Any], str]:
         """Encode and queue a message; returns (ack future, message id)."""
         value, mid = encode(message, producer=self.producer_id, message_id=message_id)
         if len(value) > self.cfg.max_record_bytes:
@@ -200,13 +201,13 @@ class Producer:
                 return
 
     # kafka-python calls callbacks as f(*args, value): the bound future comes first.
-    def _on_ack(self, fut: asyncio.Future, md: Any) -> None:
+    def _on_ack(self, fut: asyncio.Future[Any], md: Any) -> None:
         self._complete(fut, RecordMetadata(md.topic, md.partition, md.offset), None)
 
-    def _on_error(self, fut: asyncio.Future, exc: BaseException) -> None:
+    def _on_error(self, fut: asyncio.Future[Any], exc: BaseException) -> None:
         self._complete(fut, None, exc)
 
-    def _complete(self, fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    def _complete(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
         with self._acks_lock:
             self._acks.append((fut, result, exc))
             if self._ack_scheduled:
@@ -310,7 +311,7 @@ class Consumer:
     def __init__(self, cfg: KafkaConfig, *, topics: list[str] | None = None, group: str | None = None,
                  assign: list[tuple[str, int]] | None = None, assign_topics: list[str] | None = None,
                  start_offsets: dict[tuple[str, int], int] | None = None, expect: tuple[str, ...] | None = None,
-                 dead_letters: Producer | None = None, dlq_topic: str | None = None,
+                 dead_letters: EventProducer | None = None, dlq_topic: str | None = None,
                  max_in_flight: int = 10000, max_poll_records: int = 500, from_end: bool = False,
                  client_id: str = "rollout", **overrides: Any) -> None:
         if sum(x is not None for x in (topics, assign, assign_topics)) != 1:
@@ -354,7 +355,7 @@ class Consumer:
         self._kwargs.update(overrides)
         self._consumer: KafkaConsumer | None = None
         self._lock = anyio.Lock()
-        self._tracker = OffsetTracker()
+        self._tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
         self._tracker_lock = threading.Lock()
         self._paused = False
         self._closed = False
@@ -423,10 +424,10 @@ class Consumer:
     async def getmany(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Record]:
         """Poll once; return decoded, valid records (poison ones are dead-lettered here)."""
         if self._buffer:
-            out = []
-            while self._buffer and (max_records is None or len(out) < max_records):
-                out.append(self._buffer.popleft())
-            return out
+            buffered: list[Record] = []
+            while self._buffer and (max_records is None or len(buffered) < max_records):
+                buffered.append(self._buffer.popleft())
+            return buffered
         async with self._lock:
             if self._consumer is None:
                 raise StreamError("consumer is closed or not started")

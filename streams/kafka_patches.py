@@ -49,7 +49,7 @@ def apply() -> None:
             raise
 
     connect._closes_on_abort = True  # type: ignore[attr-defined]
-    cls.connect = connect  # type: ignore[method-assign]
+    cls.connect = connect
 
     # Closing the client closes its connections' transports "after their buffered data is flushed",
     # which never happens once the selector is gone: close what is still registered there first.
@@ -66,4 +66,4 @@ def apply() -> None:
             return
         selector_close(self)
 
-    _KafkaNetworkSelector.close = close  # type: ignore[method-assign]
+    _KafkaNetworkSelector.close = close

@@ -19,7 +19,7 @@ import hashlib
 import itertools
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +117,7 @@ class MemoryProducer:
 
     def send_nowait(self, topic: str, message: Message, *, key: str | None = None,
                     headers: dict[str, str] | None = None, partition: int | None = None,
-                    message_id: str | None = None) -> tuple[asyncio.Future, str]:
+                    message_id: str | None = None) -> tuple[asyncio.Future[Acked], str]:
         if self._closed:
             raise TransportError("producer is closed")
         value, mid = encode(message, producer=self.producer_id, message_id=message_id)
@@ -126,7 +126,7 @@ class MemoryProducer:
                                  f"max_record_bytes={self.log.max_record_bytes}")
         hdrs = {HEADER_MESSAGE_ID: mid.encode(), **{k: v.encode() for k, v in (headers or {}).items()}}
         acked = self.log.append(topic, StoredRecord(key, value, hdrs, int(time.time() * 1000)), partition=partition)
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Acked] = asyncio.get_running_loop().create_future()
         fut.set_result(acked)
         self.sent += 1
         return fut, mid
@@ -198,7 +198,7 @@ class MemoryConsumer:
         self.expect = expect
         self._dlq = dead_letters
         self._dlq_topic = dlq_topic
-        self._tracker = OffsetTracker()
+        self._tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
         self._positions: dict[tuple[str, int], int] = {}
         self._started = False
         self.delivered = 0
@@ -251,7 +251,7 @@ class MemoryConsumer:
         self._tracker.mark_committed(offsets)
         if offsets:
             self.commits += 1
-        return dict(offsets)  # type: ignore[arg-type]
+        return offsets
 
     async def _dead_letter(self, topic: str, partition: int, offset: int, key: str | None, value: bytes,
                            reason: str, error: str) -> None:
@@ -298,7 +298,7 @@ class MemoryStore:
         entry = self.kv.get(bucket, {}).get(key)
         return None if entry is None else entry[1]
 
-    async def kv_watch(self, bucket: str, key: str) -> AsyncIterator[bytes]:
+    async def kv_watch(self, bucket: str, key: str) -> AsyncGenerator[bytes, None]:
         """The current value (if any), then every later put of ``key``."""
         seen = 0
         while True:

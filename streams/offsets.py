@@ -10,26 +10,26 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Iterable, Mapping
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
 
-class OffsetTracker:
-    """Per-partition in-flight offsets; pure logic, no Kafka."""
+class OffsetTracker(Generic[K]):
+    """Per-partition in-flight offsets; pure logic, no Kafka. ``K`` names a partition (e.g. (topic, index))."""
 
     def __init__(self) -> None:
-        self._inflight: dict[Hashable, list[int]] = {}
-        self._done: dict[Hashable, set[int]] = {}
-        self._next: dict[Hashable, int] = {}
-        self._committed: dict[Hashable, int] = {}
+        self._inflight: dict[K, list[int]] = {}
+        self._done: dict[K, set[int]] = {}
+        self._next: dict[K, int] = {}
+        self._committed: dict[K, int] = {}
 
-    def start(self, partition: Hashable, offset: int) -> None:
+    def start(self, partition: K, offset: int) -> None:
         """A record was handed to a handler."""
         heapq.heappush(self._inflight.setdefault(partition, []), offset)
         self._next[partition] = max(self._next.get(partition, 0), offset + 1)
 
-    def finish(self, partition: Hashable, offset: int) -> None:
+    def finish(self, partition: K, offset: int) -> None:
         """The record's effects are acknowledged; its offset may be committed."""
         heap = self._inflight.get(partition)
         if heap is None:
@@ -39,9 +39,9 @@ class OffsetTracker:
         while heap and heap[0] in done:
             done.discard(heapq.heappop(heap))
 
-    def committable(self) -> dict[Hashable, int]:
+    def committable(self) -> dict[K, int]:
         """Partition -> offset to commit, for partitions that advanced since the last commit."""
-        out = {}
+        out: dict[K, int] = {}
         for p, nxt in self._next.items():
             heap = self._inflight.get(p)
             safe = heap[0] if heap else nxt
@@ -53,7 +53,7 @@ class OffsetTracker:
         for p, off in offsets.items():
             self._committed[p] = max(self._committed.get(p, -1), off)
 
-    def revoke(self, partitions: Iterable[Hashable]) -> None:
+    def revoke(self, partitions: Iterable[K]) -> None:
         """Forget partitions taken away by a rebalance."""
         for p in partitions:
             self._inflight.pop(p, None)

@@ -23,7 +23,7 @@ failed" (crash, restart, re-delivery), never as "this record is bad" (dead lette
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -69,7 +69,7 @@ class EventProducer(Protocol):
 
     def send_nowait(self, topic: str, message: Message, *, key: str | None = None,
                     headers: dict[str, str] | None = None, partition: int | None = None,
-                    message_id: str | None = None) -> tuple[asyncio.Future, str]: ...
+                    message_id: str | None = None) -> tuple[asyncio.Future[Any], str]: ...
 
     async def send(self, topic: str, message: Message, *, key: str | None = None,
                    headers: dict[str, str] | None = None, partition: int | None = None,
@@ -123,7 +123,8 @@ class ControlStore(Protocol):
 
     async def kv_get(self, bucket: str, key: str) -> bytes | None: ...
 
-    def kv_watch(self, bucket: str, key: str) -> AsyncIterator[bytes]: ...
+    # a generator, not just an iterator: callers close it (``aclose``) to stop the watch deterministically
+    def kv_watch(self, bucket: str, key: str) -> AsyncGenerator[bytes, None]: ...
 
     async def put_file(self, bucket: str, name: str, path: str | Path,
                        timeout_s: float | None = None) -> dict[str, Any]: ...

@@ -28,14 +28,14 @@ from typing import Any
 
 import anyio
 import numpy as np
-from opentelemetry.trace import SpanKind
 
 from actors import tracing
 from actors.llm import has_chat_template, render_observation, render_prompt
 from actors.inference.sglang_client import GenerateResult, SGLangClient, SGLangError
 from actors.runtime import INFRA_ERRORS, Released, Runtime, StreamActor
 from engine.schemas import EPISODES_FULL, SANDBOX_ERROR, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
-from streams.kafka import Consumer, Record
+from streams.kafka import Consumer
+from streams.protocols import EventRecord
 from streams.weights import WeightSubscriber
 
 log = logging.getLogger("rollout.inference")
@@ -93,6 +93,8 @@ class InferenceActor(StreamActor):
     topics = ["tasks"]
     expect = ("task",)
     infra_errors = INFRA_ERRORS + (SGLangError,)  # a failing server must not dead-letter tasks
+    # No ``span_name``: one task fans out into ``group_size`` samples, each traced as its own ``generate``
+    # span (``record_span``, the hook's span opener) so a sample's sandbox steps and verify hang under it.
 
     def __init__(self, rt: Runtime, urls: list[str], tokenizer: Any, *, reply_partition: int = 0,
                  weights_dir: str | Path | None = None, name: str | None = None) -> None:
@@ -176,7 +178,7 @@ class InferenceActor(StreamActor):
                     event.set()
                 r.ack()
 
-    async def _sandbox(self, record: Record, req: SandboxRequest) -> SandboxResult:
+    async def _sandbox(self, record: EventRecord, req: SandboxRequest) -> SandboxResult:
         key = (req.episode_id, req.step)
         event = self._reply_events[key] = anyio.Event()
         try:
@@ -194,7 +196,7 @@ class InferenceActor(StreamActor):
             raise kind(f"sandbox error for {req.episode_id} step {req.step}: {reply.error}")
         return reply
 
-    async def _open_episode(self, record: Record, req: SandboxRequest) -> SandboxResult:
+    async def _open_episode(self, record: EventRecord, req: SandboxRequest) -> SandboxResult:
         """Open an episode, waiting (with backoff) while the sandbox hosts are full.
 
         ``too_many_episodes`` is backpressure, not a failure: more episodes are in flight than the hosts
@@ -248,7 +250,7 @@ class InferenceActor(StreamActor):
                         self.name, task.task_id, task.admitted_version, self.weight_version,
                         self.rt.cfg.inference.weight_sync_timeout_s)
 
-    async def handle(self, record: Record) -> None:
+    async def handle(self, record: EventRecord) -> None:
         task = record.message
         assert isinstance(task, Task)
         await self._await_weights(task)
@@ -263,16 +265,14 @@ class InferenceActor(StreamActor):
             assert c is not None
             self.emit(record, self.rt.names.completions, c, key=task.task_id, headers=h)
 
-    async def _run_sample(self, record: Record, task: Task, index: int, prompt_ids: list[int],
+    async def _run_sample(self, record: EventRecord, task: Task, index: int, prompt_ids: list[int],
                           out: list[Completion | None], out_headers: list[dict[str, str]]) -> None:
         """Generate sample ``index`` of the group under its ``generate`` span (the parent of its sandbox steps)."""
-        with tracing.tracer().start_as_current_span("generate", context=tracing.record_context(record),
-                                                    kind=SpanKind.CONSUMER) as span:
+        with self.record_span(record, "generate") as span:
             completion = await self._generate_sample(record, task, index, prompt_ids)
             if span.is_recording():
                 versions = sorted({int(v) for v in completion.weight_versions.tolist() if v >= 0})
                 span.set_attributes({
-                    **tracing.record_attributes(record), "rollout.role": self.role,
                     "rollout.task_id": task.task_id, "rollout.sample_id": completion.sample_id,
                     "rollout.domain": task.domain, "rollout.group_index": index,
                     "rollout.prompt_tokens": len(prompt_ids),
@@ -283,7 +283,7 @@ class InferenceActor(StreamActor):
             out_headers[index] = tracing.trace_headers(span)
         out[index] = completion
 
-    async def _generate_sample(self, record: Record, task: Task, index: int, prompt_ids: list[int]) -> Completion:
+    async def _generate_sample(self, record: EventRecord, task: Task, index: int, prompt_ids: list[int]) -> Completion:
         sample = _Sample(f"{task.task_id}/{index}")
         sampling = self._sampling(task)
         transcript: list[dict[str, Any]] = []
@@ -304,7 +304,7 @@ class InferenceActor(StreamActor):
         self.samples_done += 1
         return completion
 
-    def _stream_tokens(self, record: Record, task: Task, sample: _Sample,
+    def _stream_tokens(self, record: EventRecord, task: Task, sample: _Sample,
                        unsent: tuple[list[int], list[float], list[int]], headers: dict[str, str]) -> None:
         """One ``rollout.tokens`` record of the tokens not yet streamed; empties ``unsent``.
 
@@ -327,7 +327,7 @@ class InferenceActor(StreamActor):
         s.update(task.sampling)
         return s
 
-    async def _generate(self, record: Record, task: Task, sample: _Sample, context: list[int],
+    async def _generate(self, record: EventRecord, task: Task, sample: _Sample, context: list[int],
                         sampling: dict[str, Any], budget: int) -> str:
         """Generate up to ``budget`` tokens after ``context``; resumes across weight updates."""
         assert self.client is not None
@@ -373,7 +373,7 @@ class InferenceActor(StreamActor):
                 continue  # interrupted by a weight update: resume with the tokens kept
             return kind
 
-    async def _episode(self, record: Record, task: Task, sample: _Sample, prompt_ids: list[int],
+    async def _episode(self, record: EventRecord, task: Task, sample: _Sample, prompt_ids: list[int],
                        sampling: dict[str, Any], transcript: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         """A multi-turn episode: model command, sandbox observation, ... then the final-state checks."""
         episode = sample.sample_id

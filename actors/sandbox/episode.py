@@ -11,9 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
-from opentelemetry.trace import SpanKind
+from opentelemetry import trace
 
-from actors import tracing
 from actors.domain_repo import episode_for
 from actors.runtime import Runtime
 from actors.sandbox.resources import SandboxResources, _SandboxActorBase
@@ -21,7 +20,8 @@ from actors.sandbox.settings import clamp_spec
 from engine.schemas import EPISODES_FULL, SandboxRequest, SandboxResult
 from sandboxes import SandboxError
 from sandboxes.verifiers import TerminalEpisode
-from streams.kafka import Record, StreamError
+from streams.kafka import StreamError
+from streams.protocols import EventRecord
 
 log = logging.getLogger("rollout.actors.sandbox")
 
@@ -61,6 +61,7 @@ class EpisodeActor(_SandboxActorBase):
     role: ClassVar[str] = "sandbox.episodes"
     topics: ClassVar[list[str]] = ["sandbox.requests"]
     expect: ClassVar[tuple[str, ...]] = (SandboxRequest.SCHEMA,)
+    span_name: ClassVar[str | None] = "sandbox.step"  # the runtime's span around handle (actors/runtime.py)
 
     def __init__(self, rt: Runtime, resources: SandboxResources, name: str | None = None) -> None:
         super().__init__(rt, resources, name)
@@ -71,34 +72,32 @@ class EpisodeActor(_SandboxActorBase):
         self._next_idle_check = 0.0
         self.opened = self.closed = self.idle_closed = self.replayed = self.unknown = 0
 
-    async def handle(self, record: Record) -> None:
+    async def handle(self, record: EventRecord) -> None:
         req = record.message
         assert isinstance(req, SandboxRequest)
         partitions = self.rt.partitions("sandbox.results")
         if req.reply_partition >= partitions:
             raise ValueError(f"reply_partition {req.reply_partition} >= {partitions} partitions of sandbox.results")
         key = (req.episode_id, req.step, req.action)
-        with tracing.tracer().start_as_current_span("sandbox.step", context=tracing.record_context(record),
-                                                    kind=SpanKind.CONSUMER) as span:
-            async with self._locks.hold(req.episode_id):
-                reply = self._replies.get(key)
-                replayed = reply is not None
-                if reply is not None:
-                    self.replayed += 1
-                else:
-                    reply = await self._answer(req)
-                    if not reply.error or reply.error == EPISODE_UNKNOWN:
-                        self._remember(key, reply)
-            if span.is_recording():
-                span.set_attributes({**tracing.record_attributes(record), "rollout.role": self.role,
-                                     "rollout.episode_id": req.episode_id, "rollout.step": req.step,
-                                     "rollout.action": req.action, "rollout.domain": req.domain,
-                                     "rollout.replayed": replayed, "rollout.error": reply.error,
-                                     "rollout.timed_out": reply.timed_out})
-                if reply.exit_code is not None:
-                    span.set_attribute("rollout.exit_code", reply.exit_code)
-            self.emit(record, self.rt.names.sandbox_results, reply, key=req.episode_id, partition=req.reply_partition,
-                      headers=tracing.trace_headers(span))
+        async with self._locks.hold(req.episode_id):
+            reply = self._replies.get(key)
+            replayed = reply is not None
+            if reply is not None:
+                self.replayed += 1
+            else:
+                reply = await self._answer(req)
+                if not reply.error or reply.error == EPISODE_UNKNOWN:
+                    self._remember(key, reply)
+        span = trace.get_current_span()  # the runtime's "sandbox.step" span (span_name)
+        if span.is_recording():
+            span.set_attributes({"rollout.episode_id": req.episode_id, "rollout.step": req.step,
+                                 "rollout.action": req.action, "rollout.domain": req.domain,
+                                 "rollout.replayed": replayed, "rollout.error": reply.error,
+                                 "rollout.timed_out": reply.timed_out})
+            if reply.exit_code is not None:
+                span.set_attribute("rollout.exit_code", reply.exit_code)
+        # emit parents the reply under this span (the runtime's traceparent for the handled record)
+        self.emit(record, self.rt.names.sandbox_results, reply, key=req.episode_id, partition=req.reply_partition)
 
     def _remember(self, key: tuple[str, int, str], reply: SandboxResult) -> None:
         self._replies[key] = reply

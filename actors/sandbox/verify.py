@@ -16,7 +16,8 @@ from actors.sandbox.settings import clamp_spec
 from engine.schemas import SANDBOX_ERROR, Completion, Outcome
 from sandboxes import SandboxError
 from sandboxes.verifiers import VERIFIERS, Facts, Verifier
-from streams.kafka import Record, StreamError
+from streams.kafka import StreamError
+from streams.protocols import EventRecord
 
 log = logging.getLogger("rollout.actors.sandbox")
 
@@ -63,7 +64,7 @@ class VerifyActor(_SandboxActorBase):
         self.verifier_errors = 0
         self.episodes_lost = 0
 
-    async def handle(self, record: Record) -> None:
+    async def handle(self, record: EventRecord) -> None:
         completion = record.message
         assert isinstance(completion, Completion)
         start = time.perf_counter()
