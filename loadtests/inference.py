@@ -155,7 +155,7 @@ def _hf_generate_real(model, tok, requests: list[tuple[list[int], int]]) -> floa
     return time.perf_counter() - start
 
 
-def real_model(model_dir: Path, n: int, threads: int, dtype: str = "fp32") -> dict[str, float]:
+def real_model(model_dir: Path, n: int, threads: int, dtype: str = "fp32") -> dict[str, object]:
     """The local engine (serving ``dtype``) against fp32 ``transformers`` ``generate`` on the same requests.
 
     A bf16 engine serves a copy of the model; the baseline always runs the fp32 original.
@@ -217,7 +217,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     new_tokens = 32 if args.quick else 64
     per_stream = {1: 4 if args.quick else 8, 8: 2, 32: 1} if args.quick else {1: 16, 8: 4, 32: 2}
-    figures: dict[str, float | None] = {"torch_threads": args.threads}
+    figures: dict[str, object] = {"torch_threads": args.threads}
     print(f"{'concurrency':>12} {'requests':>9} {'tokens/s':>10}")
     for c in (1, 8, 32):
         tps = asyncio.run(_throughput(c, per_stream[c], new_tokens))

@@ -257,7 +257,7 @@ class SlotRunner:
                 offset += n
                 if layer == 0:
                     last_rows.append(offset - 1)
-            if batch:
+            if dec_slot is not None:
                 dk, dv = k[0, :, n_pre:].transpose(0, 1), v[0, :, n_pre:].transpose(0, 1)  # (B, kv_heads, d)
                 cache_k[dec_slot, :, dec_pos] = dk
                 cache_v[dec_slot, :, dec_pos] = dv
