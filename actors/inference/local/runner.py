@@ -22,6 +22,15 @@ pass, and the logits agree with the Hugging Face forward to float rounding (test
 families: Llama, Qwen2 (q/k/v biases come with its Linear modules) and Mistral (without its sliding
 window: contexts longer than the window are attended in full).
 
+- :meth:`SlotRunner.export_prefix` / :meth:`SlotRunner.import_prefix` copy a slot's first ``n`` positions
+  out to a tensor and back: the engine's retained prefix cache (``local/prefix_cache.py``).
+
+Sliding-window attention (``attention_window``, ``attention_sinks``; default off): the token at position
+``p`` attends to positions ``p - window + 1 .. p`` and to the first ``sinks`` positions. Keys older than
+every query's window are not read at all (the saving at long contexts); while no position reaches past
+the window the full-attention code path runs, so a window longer than the context is full attention
+exactly (tested). It changes the model's outputs: the long-context load test measures by how much.
+
 The cache grows on demand: slots and capacity double when needed, up to ``max_slots`` and the
 model's context length. Memory per cached token is ``2 x layers x kv_heads x head_dim x 4`` bytes in
 fp32 (46 KB for SmolLM2-135M), times slots x capacity allocated.
