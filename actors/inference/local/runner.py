@@ -346,8 +346,11 @@ class SlotRunner:
                 dk, dv = k[0, :, n_pre:].transpose(0, 1), v[0, :, n_pre:].transpose(0, 1)  # (B, kv_heads, d)
                 cache_k[dec_slot, :, dec_pos] = dk
                 cache_v[dec_slot, :, dec_pos] = dv
-                keys = self._gather(cache_k, dec_ranges).index_select(0, dec_slot)
-                values = self._gather(cache_v, dec_ranges).index_select(0, dec_slot)
+                if decode_slots == list(range(batch)):  # slots 0..B-1 (lowest-free allocation): a view, no copy
+                    keys, values = self._gather(cache_k[:batch], dec_ranges), self._gather(cache_v[:batch], dec_ranges)
+                else:
+                    keys = self._gather(cache_k, dec_ranges).index_select(0, dec_slot)
+                    values = self._gather(cache_v, dec_ranges).index_select(0, dec_slot)
                 dq = q[0, :, n_pre:].transpose(0, 1).unsqueeze(2)  # (B, heads, 1, d)
                 out = F.scaled_dot_product_attention(dq, keys, values, attn_mask=dec_mask, enable_gqa=gqa)
                 outs.append(out[:, :, 0])  # (B, heads, d)
