@@ -174,7 +174,7 @@ class LocalEngine:
             raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, not {dtype!r}")
         # bf16 serving: weights and KV cache in bf16 (2-4x faster GEMMs on CPUs with avx512_bf16);
         # logits are cast to fp32 before the log-softmax, so logprobs are computed in fp32.
-        model = model.to(SERVING_DTYPES[dtype])
+        model = cast(PreTrainedModel, cast(Any, model).to(SERVING_DTYPES[dtype]))
         self.dtype = dtype
         self.model = model
         self.tokenizer = tokenizer

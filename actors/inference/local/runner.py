@@ -349,6 +349,7 @@ class SlotRunner:
                 if decode_slots == list(range(batch)):  # slots 0..B-1 (lowest-free allocation): a view, no copy
                     keys, values = self._gather(cache_k[:batch], dec_ranges), self._gather(cache_v[:batch], dec_ranges)
                 else:
+                    assert dec_slot is not None
                     keys = self._gather(cache_k, dec_ranges).index_select(0, dec_slot)
                     values = self._gather(cache_v, dec_ranges).index_select(0, dec_slot)
                 dq = q[0, :, n_pre:].transpose(0, 1).unsqueeze(2)  # (B, heads, 1, d)
