@@ -457,6 +457,15 @@ def test_a_missing_model_dir_is_refused_before_listening(tmp_path: Path) -> None
     assert "--model-dir" in done.stderr and str(missing) in done.stderr
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--prefix-cache-tokens", "-1"), ("--attention-window", "0"),
+                                            ("--attention-sinks", "-2")])
+def test_bad_cache_and_window_flags_are_refused_before_listening(flag: str, value: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", flag, value],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""  # never listened
+    assert flag in done.stderr and value in done.stderr
+
+
 # ------------------------------------------------------------------------ api key (SGLang's --api-key)
 
 
