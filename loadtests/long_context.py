@@ -16,8 +16,9 @@ Every ratio is measured against a baseline run in this same script, on the same 
    over the KV bytes per token in the serving dtype, and with an int8 tier (1 byte per element plus a
    fp32 scale per token, head and layer for keys and values).
 4. ``sparse_accuracy_delta``: held-out ``longdoc`` tasks (greedy, the chat template) with a sliding
-   window + attention sinks minus with full attention, and ``sparse_speed_ratio`` (seconds full over
-   seconds windowed, the same tasks).
+   window + attention sinks minus with full attention, ``sparse_speed_ratio`` (seconds full over
+   seconds windowed, the same tasks) and ``sparse_output_agreement`` (the fraction of tasks whose greedy
+   completion the window leaves unchanged: a signal even where the model scores 0 either way).
 
     python -m loadtests.long_context --quick --json runs/long_context.json
 
@@ -192,11 +193,12 @@ def kv_budget(model: Any) -> dict[str, Any]:
 
 async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, window: int,
                          sinks: int) -> dict[str, Any]:
-    from actors.domain_longdoc import MAX_NEW_TOKENS, is_correct, longdoc_tasks
+    from actors.domain_longdoc import MAX_NEW_TOKENS, is_correct, longdoc_format, longdoc_tasks
     from actors.inference.local.protocol import SamplingParams
 
     tasks = longdoc_tasks(n, tokens, seed=0)
     prompts = [_chat_ids(tok, prompt) for prompt, _ in tasks]
+    completions: dict[str, list[str]] = {}
     out: dict[str, Any] = {"tasks": n, "doc_tokens": tokens, "window": window, "sinks": sinks,
                            "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts))}
     for name, kw in (("full", {}), ("window", {"attention_window": window, "attention_sinks": sinks})):
@@ -217,7 +219,11 @@ async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, 
         out[f"seconds_{name}"] = round(time.monotonic() - t0, 2)
         out[f"accuracy_{name}"] = right / n
         out[f"example_{name}"] = texts[0]
+        out[f"strict_format_{name}"] = sum(longdoc_format(t) for t in texts) / n
+        completions[name] = texts
     out["sparse_accuracy_delta"] = out["accuracy_window"] - out["accuracy_full"]
+    # a signal even where the model scores 0 either way: how often the window changes the greedy answer
+    out["sparse_output_agreement"] = sum(a == b for a, b in zip(completions["full"], completions["window"])) / n
     out["sparse_speed_ratio"] = out["seconds_full"] / out["seconds_window"]
     return out
 
@@ -277,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "computed": True},
         "sparse_accuracy_delta": sparse["sparse_accuracy_delta"],
         "sparse_speed_ratio": sparse["sparse_speed_ratio"],
+        "sparse_output_agreement": sparse["sparse_output_agreement"],
         "details": {"group": group, "decode": decode, "kv_budget": budget, "sparse": sparse},
         "seconds": round(time.monotonic() - t_start, 1),
     }
@@ -297,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
          f"int8 tier: {budget['max_context_tokens_int8_tier']:,} ({budget['kv_bytes_per_token']['int8']} B/token)"),
         ("sparse_accuracy_delta", f"{sparse['sparse_accuracy_delta']:+.3f}",
          f"window {window}+{sinks} sinks {sparse['accuracy_window']:.3f} vs full {sparse['accuracy_full']:.3f}, "
-         f"{sparse['tasks']} longdoc tasks of ~{sparse['prompt_tokens_mean']} tokens"),
+         f"{sparse['tasks']} longdoc tasks of ~{sparse['prompt_tokens_mean']} tokens; strict format "
+         f"{sparse['strict_format_window']:.2f} vs {sparse['strict_format_full']:.2f}"),
+        ("sparse_output_agreement", f"{sparse['sparse_output_agreement']:.3f}",
+         "fraction of tasks whose greedy completion is identical with the window and without"),
         ("sparse_speed_ratio", f"{sparse['sparse_speed_ratio']:.2f}x",
          f"{sparse['seconds_full']}s full / {sparse['seconds_window']}s windowed"),
     ]

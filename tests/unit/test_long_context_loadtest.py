@@ -32,5 +32,5 @@ def test_quick_run_on_the_fixture_writes_every_figure(tmp_path: Path, capsys: py
         assert result[key] > 0
     tiers = result["max_context_tokens_tiered"]
     assert tiers["computed"] is True and tiers["with_int8_tier"] > tiers["without_tier"] > 0
-    assert -1.0 <= result["sparse_accuracy_delta"] <= 1.0
+    assert -1.0 <= result["sparse_accuracy_delta"] <= 1.0 and 0.0 <= result["sparse_output_agreement"] <= 1.0
     assert result["simulated"] is False
