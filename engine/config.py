@@ -177,6 +177,16 @@ class InferenceConfig(Section):
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Local backend: serving dtype of weights and KV cache (`rollout inference serve --dtype`); bf16 is
     faster on CPUs with avx512_bf16; logprobs are computed in fp32 from the logits either way."""
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    """Local backend: tokens of finished sequences' KV kept so a prompt sent again (or a multi-turn
+    episode's next turn) reuses its prefix (`rollout inference serve --prefix-cache-tokens`); 0 disables.
+    Memory: this many tokens x the KV bytes per token (46 KB fp32, 23 KB bf16 for SmolLM2-135M)."""
+    attention_window: int | None = Field(None, ge=1)
+    """Local backend: sliding-window attention over the last N positions (plus `attention_sinks`) for
+    long inputs; None (default) is full attention. Changes the model's outputs: measure it first
+    (`loadtests/long_context.py`)."""
+    attention_sinks: int = Field(0, ge=0)
+    """Local backend, with `attention_window`: the first positions every token keeps attending to."""
     stream_interval: int = Field(1, ge=1)
     """Tokens per ``rollout.tokens`` record: new tokens are sent once this many have come (the rest when
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and

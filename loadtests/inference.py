@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,7 +175,7 @@ def real_model(model_dir: Path, n: int, threads: int, dtype: str = "fp32") -> di
 
     engine_s = asyncio.run(_engine_real(model if dtype == "fp32" else copy.deepcopy(model), tok, requests, dtype))
     hf_s = _hf_generate_real(model, tok, requests)
-    figures = {"real_engine_dtype": dtype, "real_hf_generate_dtype": "fp32", "real_requests": n, "real_useful_tokens": useful, "real_engine_s": round(engine_s, 2),
+    figures: dict[str, Any] = {"real_engine_dtype": dtype, "real_hf_generate_dtype": "fp32", "real_requests": n, "real_useful_tokens": useful, "real_engine_s": round(engine_s, 2),
                "real_hf_generate_s": round(hf_s, 2), "real_engine_tokens_per_s": round(useful / engine_s, 1),
                "real_hf_generate_tokens_per_s": round(useful / hf_s, 1),
                "hf_generate_ratio": round(hf_s / engine_s, 2)}

@@ -37,6 +37,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                        help="serving dtype of weights and KV cache; logprobs stay fp32 (default: fp32)")
+    serve.add_argument("--prefix-cache-tokens", type=int, default=8192,
+                       help="tokens of finished sequences' KV kept for reuse by later prompts with the same prefix; "
+                            "0 disables (default: 8192)")
+    serve.add_argument("--attention-window", type=int, default=None,
+                       help="sliding-window attention over the last N positions (default: full attention)")
+    serve.add_argument("--attention-sinks", type=int, default=0,
+                       help="with --attention-window: first positions always attended to (default: 0)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the generated tiny model (default: 0)")
     serve.add_argument("--weight-version", default="default", help="initial weight version (default: 'default')")
     serve.add_argument(
@@ -79,6 +86,17 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_batch < 1 or args.chunk_size < 1:
         print("rollout inference serve: --max-batch and --chunk-size must be at least 1", file=sys.stderr)
         return 2
+    if args.prefix_cache_tokens < 0:
+        print(f"rollout inference serve: --prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}",
+              file=sys.stderr)
+        return 2
+    if args.attention_window is not None and args.attention_window < 1:
+        print(f"rollout inference serve: --attention-window must be at least 1, got {args.attention_window}",
+              file=sys.stderr)
+        return 2
+    if args.attention_sinks < 0:
+        print(f"rollout inference serve: --attention-sinks must be >= 0, got {args.attention_sinks}", file=sys.stderr)
+        return 2
     if args.model_dir is not None:
         from actors.model_dir import ModelDirError, check_model_dir
 
@@ -107,6 +125,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         chunk_size=args.chunk_size,
         dtype=args.dtype,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        attention_window=args.attention_window,
+        attention_sinks=args.attention_sinks,
         seed=args.seed,
         weight_version=args.weight_version,
         gc_freeze=args.gc_freeze,

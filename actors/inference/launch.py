@@ -61,7 +61,9 @@ class LocalServer:
 
     def __init__(self, model_dir: str | Path, *, log_path: str | Path, weight_version: str = "0",
                  max_batch: int = 64, chunk_size: int = 512, torch_threads: int = 1,
-                 startup_timeout_s: float = 120.0, api_key: str | None = None, dtype: str = "fp32") -> None:
+                 startup_timeout_s: float = 120.0, api_key: str | None = None, dtype: str = "fp32",
+                 prefix_cache_tokens: int = 8192, attention_window: int | None = None,
+                 attention_sinks: int = 0) -> None:
         self.model_dir = str(model_dir)
         self.api_key = api_key
         self.log_path = Path(log_path)
@@ -69,6 +71,9 @@ class LocalServer:
         self.max_batch = max_batch
         self.chunk_size = chunk_size
         self.dtype = dtype
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self.attention_window = attention_window
+        self.attention_sinks = attention_sinks
         self.torch_threads = torch_threads
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
@@ -84,7 +89,9 @@ class LocalServer:
         argv = [sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", "--model-dir", self.model_dir,
                 "--weight-version", self.weight_version, "--max-batch", str(self.max_batch),
                 "--chunk-size", str(self.chunk_size), "--torch-threads", str(self.torch_threads),
-                "--dtype", self.dtype]
+                "--dtype", self.dtype, "--prefix-cache-tokens", str(self.prefix_cache_tokens)]
+        if self.attention_window is not None:
+            argv += ["--attention-window", str(self.attention_window), "--attention-sinks", str(self.attention_sinks)]
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)  # the key is this object's, not whatever the parent's environment holds
         if self.api_key:
@@ -152,7 +159,8 @@ class LocalServer:
 def launch_local(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalServer:
     """The `local` backend's embedded server for a deployment: it requires the configured api key."""
     return LocalServer(model_dir, log_path=run_dir / "logs" / "inference-server.log", max_batch=cfg.max_batch,
-                       dtype=cfg.dtype, api_key=cfg.resolved_api_key())
+                       dtype=cfg.dtype, api_key=cfg.resolved_api_key(), prefix_cache_tokens=cfg.prefix_cache_tokens,
+                       attention_window=cfg.attention_window, attention_sinks=cfg.attention_sinks)
 
 
 register_inference_backend("local", launch_local, description="the embedded torch server of this project")

@@ -162,7 +162,10 @@ async def test_greedy_is_deterministic_and_logprobs_match_the_model(client: SGLa
     params = {"max_new_tokens": 12, "ignore_eos": True, **GREEDY}
     first = await client.generate(prompt, sampling_params=params)
     second = await client.generate(prompt, sampling_params=params)
-    assert first.output_ids == second.output_ids and first.logprobs == second.logprobs
+    # the second reuses the first's prompt from the prefix cache: its last prompt token runs in another
+    # GEMM shape, so the logprobs agree to float rounding, not bit for bit
+    assert second.meta_info["cached_tokens"] == len(prompt) - 1
+    assert first.output_ids == second.output_ids and first.logprobs == pytest.approx(second.logprobs, abs=1e-5)
     assert first.logprobs is not None and all(lp <= 0.0 for lp in first.logprobs)
     reference = _reference_logprobs(model_dirs[0], prompt, first.output_ids)
     assert first.logprobs == pytest.approx(reference, abs=1e-4)
@@ -375,6 +378,36 @@ async def test_info_and_health_endpoints(client: SGLangClient, server: ServerPro
     assert await client.health_generate()
 
 
+@pytest.mark.anyio
+async def test_prefix_cache_reuse_and_flush(client: SGLangClient, server: ServerProcess) -> None:
+    """The same prompt twice: cached_tokens > 0 the second time; /flush_cache (refused while a request runs,
+    as SGLang does) brings it back to 0."""
+    prompt = "# the prefix cache keeps this prompt\n$ "
+    params = {"max_new_tokens": 6, "ignore_eos": True, **GREEDY}
+    first = await client.generate(text=prompt, sampling_params=params)
+    second = await client.generate(text=prompt, sampling_params=params)
+    assert first.meta_info["cached_tokens"] == 0
+    assert second.meta_info["cached_tokens"] == len(prompt) - 1  # char tokenizer: one token a character
+    assert second.output_ids == first.output_ids
+    stats = (await client.server_info())["internal_states"][0]
+    assert stats["prefix_cache_hits"] >= 1 and stats["prefix_cache_tokens"] > 0
+    assert stats["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # tiny model: layers x (k, v) x kv heads x dim x fp32
+    busy = {"text": "stay busy", "stream": True, "rid": "flush-busy",
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True, **GREEDY}}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + "/generate", json=busy) as stream:
+            assert (await stream.content.readline()).startswith(b"data: ")  # generating now
+            async with session.post(server.url + "/flush_cache") as refused:
+                assert refused.status == 400 and "will not be performed" in await refused.text()
+            await client.abort("flush-busy")
+            await stream.read()
+        async with session.post(server.url + "/flush_cache") as flushed:
+            assert flushed.status == 200 and (await flushed.text()).startswith("Cache flushed.")
+    third = await client.generate(text=prompt, sampling_params=params)
+    assert third.meta_info["cached_tokens"] == 0 and third.output_ids == first.output_ids
+    await client.flush_cache()  # GET/POST both answer; the client's call succeeds when idle
+
+
 async def _post_raw(url: str, data: bytes | str) -> tuple[int, object]:
     async with aiohttp.ClientSession() as session, session.post(url + "/generate", data=data) as resp:
         return resp.status, await resp.json()
@@ -422,6 +455,15 @@ def test_a_missing_model_dir_is_refused_before_listening(tmp_path: Path) -> None
                            str(missing)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""  # never listened
     assert "--model-dir" in done.stderr and str(missing) in done.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--prefix-cache-tokens", "-1"), ("--attention-window", "0"),
+                                            ("--attention-sinks", "-2")])
+def test_bad_cache_and_window_flags_are_refused_before_listening(flag: str, value: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", flag, value],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""  # never listened
+    assert flag in done.stderr and value in done.stderr
 
 
 # ------------------------------------------------------------------------ api key (SGLang's --api-key)

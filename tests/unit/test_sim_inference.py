@@ -72,6 +72,8 @@ def test_generate_returns_synthetic_tokens_and_labelled_model_info() -> None:
         async with http.get("/get_model_info") as r:
             info = await r.json()
         assert info["model_type"] == "simulated"
+        async with http.post("/flush_cache") as r:  # nothing cached, nothing running: SGLang's 200 text
+            assert r.status == 200 and (await r.text()).startswith("Cache flushed.")
 
     _run(body, FAST)
 

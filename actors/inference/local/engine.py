@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from actors.inference.local.prefix_cache import PrefixCache, common_prefix
 from actors.inference.local.protocol import BadRequest, SamplingParams
 from actors.inference.local.runner import SlotRunner
 
@@ -74,7 +75,9 @@ class Sequence:
     cached: int = 0
     """Tokens of prompt + output whose keys and values are in the slot."""
     cached_tokens: int = 0
-    """Prompt tokens copied from another sequence's cache (prefix sharing; SGLang's ``cached_tokens``)."""
+    """Prompt tokens copied from another sequence's cache or the prefix cache (SGLang's ``cached_tokens``)."""
+    kv_epoch: int = -1
+    """The engine's weights epoch when this sequence's slot was filled (its KV is valid under it only)."""
     finish_reason: dict[str, Any] | None = None
     finished_at: float | None = None
     weight_version: str = "default"
@@ -121,6 +124,21 @@ class EngineStatistics:
     decode_tokens: int
     prefill_tokens: int
     finished: int
+    kv_bytes_per_token: int = 0
+    """KV cache bytes per cached token in the serving dtype (keys + values, every layer)."""
+    kv_slot_bytes: int = 0
+    """Bytes the running sequences' slot cache has allocated."""
+    prefix_cache_tokens: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_cache_max_tokens: int = 0
+    prefix_cache_lookups: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_tokens: int = 0
+    """Prompt tokens served from the retained prefix cache (not computed)."""
+    shared_prefix_tokens: int = 0
+    """Prompt tokens copied from running sequences (a group's samples)."""
+    prefix_cache_evicted_tokens: int = 0
+    prefix_cache_flushes: int = 0
 
 
 @dataclass
@@ -143,9 +161,15 @@ class LocalEngine:
         weight_version: str = "default",
         model_path: str = "",
         dtype: str = "fp32",
+        prefix_cache_tokens: int = 8192,
+        prefix_sharing: bool = True,
+        attention_window: int | None = None,
+        attention_sinks: int = 0,
     ) -> None:
         if max_batch < 1 or chunk_size < 1:
             raise ValueError("max_batch and chunk_size must be at least 1")
+        if prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
         if dtype not in SERVING_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, not {dtype!r}")
         # bf16 serving: weights and KV cache in bf16 (2-4x faster GEMMs on CPUs with avx512_bf16);
@@ -154,7 +178,13 @@ class LocalEngine:
         self.dtype = dtype
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = SlotRunner(model, max_slots=max_batch)
+        self.runner = SlotRunner(model, max_slots=max_batch, attention_window=attention_window,
+                                 attention_sinks=attention_sinks)
+        self.prefix_sharing = prefix_sharing
+        """False: every sequence computes its whole prompt (no copies from running sequences or the cache)."""
+        self.prefix_cache = PrefixCache(prefix_cache_tokens if prefix_sharing else 0, self.runner.bytes_per_token())
+        self._epoch = 0  # bumped by every weight change: KV computed under another epoch is never reused
+        self._shared_tokens = 0
         self.max_batch = max_batch
         self.chunk_size = chunk_size
         self.weight_version = weight_version
@@ -197,6 +227,7 @@ class LocalEngine:
                 pass
 
     def statistics(self) -> EngineStatistics:
+        cache = self.prefix_cache.statistics()
         return EngineStatistics(
             running=len(self._running),
             waiting=len(self._waiting),
@@ -206,7 +237,34 @@ class LocalEngine:
             decode_tokens=self._decode_tokens,
             prefill_tokens=self._prefill_tokens,
             finished=self._finished,
+            kv_bytes_per_token=self.runner.bytes_per_token(),
+            kv_slot_bytes=self.runner.cache_bytes(),
+            prefix_cache_tokens=cache.tokens,
+            prefix_cache_bytes=cache.bytes,
+            prefix_cache_max_tokens=cache.max_tokens,
+            prefix_cache_lookups=cache.lookups,
+            prefix_cache_hits=cache.hits,
+            prefix_cache_hit_tokens=cache.hit_tokens,
+            shared_prefix_tokens=self._shared_tokens,
+            prefix_cache_evicted_tokens=cache.evicted_tokens,
+            prefix_cache_flushes=cache.flushes,
         )
+
+    def flush_cache(self) -> bool:
+        """Free the retained prefix cache; refused (False) while requests run or wait, as SGLang does."""
+        if self._running or self._waiting:
+            return False
+        self.prefix_cache.clear()
+        return True
+
+    def invalidate_prefix_cache(self) -> None:
+        """The weights changed in place: no KV computed before may be reused (cache cleared, epoch bumped).
+
+        Running sequences keep their own caches (as SGLang's do across an update) but are no longer
+        sources of prefix sharing, and are not retained when they finish.
+        """
+        self._epoch += 1
+        self.prefix_cache.clear()
 
     @property
     def paused(self) -> bool:
@@ -324,6 +382,7 @@ class LocalEngine:
         async with self._step_lock:
             in_flight = len(self._running)
             await anyio.to_thread.run_sync(lambda: self.model.load_state_dict(state, strict=False))
+            self.invalidate_prefix_cache()
             self.model_path = model_path
             if weight_version is not None:
                 self.weight_version = weight_version
@@ -342,6 +401,7 @@ class LocalEngine:
                 while self._waiting and len(self._running) < self.max_batch:
                     seq = self._waiting.popleft()
                     seq.slot = self.runner.acquire()
+                    seq.kv_epoch = self._epoch
                     self._running.append(seq)
                 prefill, decode = self._plan()
                 if not prefill and not decode:
@@ -378,7 +438,7 @@ class LocalEngine:
         budget = self.chunk_size
         for seq in self._running:
             # still holding only copied tokens (none computed itself): look for a longer shared prefix
-            if seq.cached == seq.cached_tokens and seq.cached < len(seq.prompt_ids) - 1:
+            if self.prefix_sharing and seq.cached == seq.cached_tokens and seq.cached < len(seq.prompt_ids) - 1:
                 self._share_prefix(seq)
                 if len(seq.pending_ids()) > 1 and any(
                         _common_prefix(seq.prompt_ids, other.prompt_ids) > seq.cached + 8 for other, _ in prefill):
@@ -393,16 +453,25 @@ class LocalEngine:
         return prefill, decode
 
     def _share_prefix(self, seq: Sequence) -> None:
+        """Copy the longest prefix of ``seq``'s prompt held by a running sequence or the prefix cache."""
         best, source = seq.cached, None
         limit = len(seq.prompt_ids) - 1
         for other in self._running:
-            if other is seq or other.cached <= best or other.slot is None:
+            if other is seq or other.cached <= best or other.slot is None or other.kv_epoch != self._epoch:
                 continue
             n = min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
             if n > best:
                 best, source = n, other
-        if source is not None and source.slot is not None and seq.slot is not None:
+        if seq.slot is None:
+            return
+        retained, kv = self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch) if best < limit else (0, None)
+        if kv is not None and retained > best:
+            self.runner.import_prefix(seq.slot, kv, retained)
+            self.prefix_cache.record_hit(retained - seq.cached)
+            seq.cached = seq.cached_tokens = retained
+        elif source is not None and source.slot is not None:
             self.runner.copy_prefix(seq.slot, source.slot, best)
+            self._shared_tokens += best - seq.cached
             seq.cached = seq.cached_tokens = best
 
     def _step_sync(self, prefill: list[tuple[Sequence, list[int]]], decode: list[Sequence]) -> dict[Sequence, _Sampled]:
@@ -532,9 +601,18 @@ class LocalEngine:
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
+            self._retain(seq, seq.slot)
             self.runner.release(seq.slot)
         seq.slot = None
         seq.cached = 0
+
+    def _retain(self, seq: Sequence, slot: int) -> None:
+        """Keep a leaving sequence's computed prefix in the prefix cache (same weights epoch only)."""
+        if not self.prefix_cache.enabled or seq.kv_epoch != self._epoch or seq.cached < 2:
+            return
+        if seq.abort_message is not None and seq.abort_message.startswith("internal error"):
+            return  # a failed step: its slot may hold half-written positions
+        self.prefix_cache.insert(seq.tokens()[: seq.cached], lambda n: self.runner.export_prefix(slot, n), self._epoch)
 
     # ---------------------------------------------------------------- output
 
@@ -557,12 +635,7 @@ class LocalEngine:
         return text
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+_common_prefix = common_prefix
 
 
 def _abort_reason(message: str) -> dict[str, Any]:

@@ -22,6 +22,15 @@ pass, and the logits agree with the Hugging Face forward to float rounding (test
 families: Llama, Qwen2 (q/k/v biases come with its Linear modules) and Mistral (without its sliding
 window: contexts longer than the window are attended in full).
 
+- :meth:`SlotRunner.export_prefix` / :meth:`SlotRunner.import_prefix` copy a slot's first ``n`` positions
+  out to a tensor and back: the engine's retained prefix cache (``local/prefix_cache.py``).
+
+Sliding-window attention (``attention_window``, ``attention_sinks``; default off): the token at position
+``p`` attends to positions ``p - window + 1 .. p`` and to the first ``sinks`` positions. Keys older than
+every query's window are not read at all (the saving at long contexts); while no position reaches past
+the window the full-attention code path runs, so a window longer than the context is full attention
+exactly (tested). It changes the model's outputs: the long-context load test measures by how much.
+
 The cache grows on demand: slots and capacity double when needed, up to ``max_slots`` and the
 model's context length. Memory per cached token is ``2 x layers x kv_heads x head_dim x 4`` bytes in
 fp32 (46 KB for SmolLM2-135M), times slots x capacity allocated.
@@ -55,7 +64,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class SlotRunner:
     """Runs one model over sequences that each own a slot of a shared KV cache; see the module docstring."""
 
-    def __init__(self, model: PreTrainedModel, *, max_slots: int = 64, initial_capacity: int = 128) -> None:
+    def __init__(self, model: PreTrainedModel, *, max_slots: int = 64, initial_capacity: int = 128,
+                 attention_window: int | None = None, attention_sinks: int = 0) -> None:
         config = model.config
         model_type = getattr(config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -69,6 +79,12 @@ class SlotRunner:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.context_length = int(getattr(config, "max_position_embeddings", 4096))
         self.max_slots = max_slots
+        if attention_window is not None and attention_window < 1:
+            raise ValueError(f"attention_window must be at least 1 (or None for full attention), got {attention_window}")
+        if attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be >= 0, got {attention_sinks}")
+        self.window = attention_window
+        self.sinks = attention_sinks if attention_window is not None else 0
         self.dtype = next(model.parameters()).dtype
         self._capacity = max(1, min(initial_capacity, self.context_length))
         self._slots = 0
@@ -98,6 +114,10 @@ class SlotRunner:
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one cached token takes in the serving dtype (keys + values, every layer)."""
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def _grow(self, *, slots: int, capacity: int) -> None:
         if slots == self._slots and capacity == self._capacity and self.k:
@@ -132,6 +152,62 @@ class SlotRunner:
             k[dst, :, :n] = k[src, :, :n]
             v[dst, :, :n] = v[src, :, :n]
 
+    def export_prefix(self, slot: int, n: int) -> torch.Tensor:
+        """A copy of the first ``n`` cached positions of ``slot``: ``(layers, 2, kv_heads, n, head_dim)``."""
+        return torch.stack([torch.stack((k[slot, :, :n], v[slot, :, :n])) for k, v in zip(self.k, self.v)])
+
+    @torch.inference_mode()
+    def import_prefix(self, slot: int, kv: torch.Tensor, n: int) -> None:
+        """Make ``slot`` hold the first ``n`` positions of ``kv`` (an :meth:`export_prefix` result)."""
+        self._ensure_capacity(n)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            k[slot, :, :n] = kv[layer, 0, :, :n]
+            v[slot, :, :n] = kv[layer, 1, :, :n]
+
+    # -- sliding window ------------------------------------------------------------------------------
+    def _windowed(self, end: int) -> bool:
+        """Whether any query below position ``end`` has keys outside its window (else: full attention, exactly)."""
+        return self.window is not None and end > self.window
+
+    def _window_keys(self, lo_query: int, end: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """Key ranges that queries at positions >= ``lo_query`` (below ``end``) can see, and their positions.
+
+        The attention sinks (positions ``< sinks``) and ``[lo_query - window + 1, end)``; nothing older
+        is read, which is where the window saves time at long contexts.
+        """
+        assert self.window is not None
+        lo = max(0, lo_query - self.window + 1)
+        if lo <= self.sinks:
+            ranges = [(0, end)]
+        else:
+            ranges = [(0, self.sinks), (lo, end)] if self.sinks else [(lo, end)]
+        positions = torch.cat([torch.arange(a, b) for a, b in ranges])
+        return ranges, positions
+
+    def _window_mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """``(Q, K)`` visibility: causal, within the window, or a sink."""
+        assert self.window is not None
+        q, k = query_pos.view(-1, 1), key_pos.view(1, -1)
+        return (k <= q) & ((k > q - self.window) | (k < self.sinks))
+
+    def _chunk_mask(self, start: int, end: int) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
+        """Mask (None: plain causal) and key ranges of a prefill chunk at positions ``start..end-1``."""
+        n = end - start
+        if self._windowed(end):
+            ranges, key_pos = self._window_keys(start, end)
+            return self._window_mask(torch.arange(start, end), key_pos).view(1, 1, n, -1), ranges
+        if start == 0:
+            return None, [(0, end)]
+        # causal with an offset: query t sees keys 0..start+t
+        return (torch.arange(end).view(1, end) <= torch.arange(start, end).view(n, 1)).view(1, 1, n, end), [(0, end)]
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Positions ``ranges`` of a ``(..., capacity, head_dim)`` cache view, concatenated (a view for one range)."""
+        if len(ranges) == 1:
+            return cache[..., ranges[0][0]:ranges[0][1], :]
+        return torch.cat([cache[..., a:b, :] for a, b in ranges], dim=-2)
+
     # -- forward passes ----------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
@@ -144,8 +220,13 @@ class SlotRunner:
         pos = torch.tensor(positions, dtype=torch.long)
         slot_t = torch.tensor(slots, dtype=torch.long)
         contiguous = slots == list(range(batch))
-        # key j of row i is visible when j <= positions[i]
-        mask = (torch.arange(longest).view(1, longest) <= pos.view(batch, 1)).view(batch, 1, 1, longest)
+        # key j of row i is visible when j <= positions[i] (and, with a window, within it or a sink)
+        ranges: list[tuple[int, int]] | None = None
+        if self._windowed(longest):
+            ranges, key_pos = self._window_keys(min(positions), longest)
+            mask = self._window_mask(pos, key_pos).view(batch, 1, 1, -1)
+        else:
+            mask = (torch.arange(longest).view(1, longest) <= pos.view(batch, 1)).view(batch, 1, 1, longest)
         hidden = self.body.embed_tokens(torch.tensor(token_ids, dtype=torch.long).view(batch, 1))
         cos, sin = self._rotary(hidden, pos.view(batch, 1))
         for layer, module in enumerate(self.layers):
@@ -155,7 +236,12 @@ class SlotRunner:
             cache_k, cache_v = self.k[layer], self.v[layer]
             cache_k[slot_t, :, pos] = k[:, :, 0]
             cache_v[slot_t, :, pos] = v[:, :, 0]
-            if contiguous:
+            if ranges is not None:
+                src_k, src_v = (cache_k[:batch], cache_v[:batch]) if contiguous else (cache_k, cache_v)
+                keys, values = self._gather(src_k, ranges), self._gather(src_v, ranges)
+                if not contiguous:
+                    keys, values = keys.index_select(0, slot_t), values.index_select(0, slot_t)
+            elif contiguous:
                 keys, values = cache_k[:batch, :, :longest], cache_v[:batch, :, :longest]
             else:
                 keys = cache_k[:, :, :longest].index_select(0, slot_t)
@@ -177,9 +263,7 @@ class SlotRunner:
         pos = torch.arange(start, end).view(1, n)
         hidden = self.body.embed_tokens(torch.tensor(token_ids, dtype=torch.long).view(1, n))
         cos, sin = self._rotary(hidden, pos)
-        mask = None
-        if start > 0:  # causal with an offset: query t sees keys 0..start+t
-            mask = (torch.arange(end).view(1, end) <= pos.view(n, 1)).view(1, 1, n, end)
+        mask, ranges = self._chunk_mask(start, end)
         for layer, module in enumerate(self.layers):
             attn = module.self_attn
             x = module.input_layernorm(hidden)
@@ -187,7 +271,7 @@ class SlotRunner:
             cache_k, cache_v = self.k[layer], self.v[layer]
             cache_k[slot, :, start:end] = k[0]
             cache_v[slot, :, start:end] = v[0]
-            keys, values = cache_k[slot : slot + 1, :, :end], cache_v[slot : slot + 1, :, :end]
+            keys, values = self._gather(cache_k[slot : slot + 1], ranges), self._gather(cache_v[slot : slot + 1], ranges)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=self.kv_heads != self.heads)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
@@ -226,17 +310,18 @@ class SlotRunner:
         hidden = self.body.embed_tokens(torch.tensor(ids, dtype=torch.long).view(1, total))
         cos, sin = self._rotary(hidden, pos)
         dec_mask = dec_slot = dec_pos = None
-        longest = 0
+        dec_ranges: list[tuple[int, int]] = []
         if batch:
             longest = max(decode_positions) + 1
             dec_pos = torch.tensor(decode_positions, dtype=torch.long)
             dec_slot = torch.tensor(decode_slots, dtype=torch.long)
-            dec_mask = (torch.arange(longest).view(1, longest) <= dec_pos.view(batch, 1)).view(batch, 1, 1, longest)
-        masks = []
-        for _, start, chunk in prefill:
-            n, end = len(chunk), start + len(chunk)
-            rows = torch.arange(start, end).view(n, 1)
-            masks.append(None if start == 0 else (torch.arange(end).view(1, end) <= rows).view(1, 1, n, end))
+            if self._windowed(longest):
+                dec_ranges, key_pos = self._window_keys(min(decode_positions), longest)
+                dec_mask = self._window_mask(dec_pos, key_pos).view(batch, 1, 1, -1)
+            else:
+                dec_ranges = [(0, longest)]
+                dec_mask = (torch.arange(longest).view(1, longest) <= dec_pos.view(batch, 1)).view(batch, 1, 1, longest)
+        masks = [self._chunk_mask(start, start + len(chunk)) for _, start, chunk in prefill]
         gqa = self.kv_heads != self.heads
         last_rows: list[int] = []
         for layer, module in enumerate(self.layers):
@@ -246,13 +331,13 @@ class SlotRunner:
             cache_k, cache_v = self.k[layer], self.v[layer]
             outs = []
             offset = 0
-            for (slot, start, chunk), mask in zip(prefill, masks):
+            for (slot, start, chunk), (mask, ranges) in zip(prefill, masks):
                 n, end = len(chunk), start + len(chunk)
                 cache_k[slot, :, start:end] = k[0, :, offset:offset + n]
                 cache_v[slot, :, start:end] = v[0, :, offset:offset + n]
                 out = F.scaled_dot_product_attention(
-                    q[:, :, offset:offset + n], cache_k[slot:slot + 1, :, :end], cache_v[slot:slot + 1, :, :end],
-                    attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+                    q[:, :, offset:offset + n], self._gather(cache_k[slot:slot + 1], ranges),
+                    self._gather(cache_v[slot:slot + 1], ranges), attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
                 outs.append(out[0].transpose(0, 1))  # (n, heads, d)
                 offset += n
                 if layer == 0:
@@ -261,8 +346,12 @@ class SlotRunner:
                 dk, dv = k[0, :, n_pre:].transpose(0, 1), v[0, :, n_pre:].transpose(0, 1)  # (B, kv_heads, d)
                 cache_k[dec_slot, :, dec_pos] = dk
                 cache_v[dec_slot, :, dec_pos] = dv
-                keys = cache_k[:, :, :longest].index_select(0, dec_slot)
-                values = cache_v[:, :, :longest].index_select(0, dec_slot)
+                if decode_slots == list(range(batch)):  # slots 0..B-1 (lowest-free allocation): a view, no copy
+                    keys, values = self._gather(cache_k[:batch], dec_ranges), self._gather(cache_v[:batch], dec_ranges)
+                else:
+                    assert dec_slot is not None
+                    keys = self._gather(cache_k, dec_ranges).index_select(0, dec_slot)
+                    values = self._gather(cache_v, dec_ranges).index_select(0, dec_slot)
                 dq = q[0, :, n_pre:].transpose(0, 1).unsqueeze(2)  # (B, heads, 1, d)
                 out = F.scaled_dot_product_attention(dq, keys, values, attn_mask=dec_mask, enable_gqa=gqa)
                 outs.append(out[:, :, 0])  # (B, heads, d)

@@ -59,6 +59,13 @@ class ServerConfig:
     max_batch: int = 32
     chunk_size: int = 512
     dtype: str = "fp32"
+    prefix_cache_tokens: int = 8192
+    """Tokens of finished sequences' KV kept for reuse (the retained prefix cache); 0 disables it."""
+    attention_window: int | None = None
+    """Sliding-window attention: each token attends to the last ``attention_window`` positions (and the
+    sinks); None: full attention."""
+    attention_sinks: int = 0
+    """With a window: the first positions every token keeps attending to (attention sinks)."""
     seed: int = 0
     weight_version: str = "default"
     gc_freeze: bool = False
@@ -422,9 +429,27 @@ async def handle_server_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
+_FLUSH_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
+               "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+
 async def handle_flush_cache(request: web.Request) -> web.Response:
-    # No prefix cache: each sequence's KV cache lives only as long as the sequence.
-    return web.Response(text="Cache flushed.\n")
+    # SGLang's answer, word for word: 200 when the cache was freed, 400 (same text) when requests are
+    # running or waiting, in which case nothing is freed.
+    state = _state(request)
+    engine = state.engine
+    if engine is None:
+        return web.Response(text=_FLUSH_TEXT)  # nothing is cached before the model is loaded
+    if engine.flush_cache():
+        log.info("prefix cache flushed")
+        return web.Response(text=_FLUSH_TEXT)
+    log.warning("flush_cache refused: %d requests running, %d waiting", *_load(engine))
+    return web.Response(text=_FLUSH_TEXT, status=400)
+
+
+def _load(engine: LocalEngine) -> tuple[int, int]:
+    stats = engine.statistics()
+    return stats.running, stats.waiting
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -477,6 +502,9 @@ async def _load_engine(state: _State) -> None:
         max_batch=config.max_batch,
         chunk_size=config.chunk_size,
         dtype=config.dtype,
+        prefix_cache_tokens=config.prefix_cache_tokens,
+        attention_window=config.attention_window,
+        attention_sinks=config.attention_sinks,
         weight_version=config.weight_version,
         model_path=state.model_dir,
     )

@@ -116,6 +116,10 @@ class SimEngine:
             prefill_tokens=self._prefill_tokens, finished=self._finished,
         )
 
+    def flush_cache(self) -> bool:
+        """``/flush_cache``: no KV cache is simulated; refused (False) while requests run or wait, as SGLang does."""
+        return not (self._running or self._waiting)
+
     @property
     def paused(self) -> bool:
         return self._paused

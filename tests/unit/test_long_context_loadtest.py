@@ -1,0 +1,36 @@
+"""``loadtests/long_context.py`` runs end to end on the tiny char-model fixture (the real model named absent).
+
+Its figures are not judged here (tests never assert timings); only that the fallback is labelled and the JSON
+carries what the docs quote, with the token counts that do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests import long_context
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+def test_quick_run_on_the_fixture_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "long.json"
+    assert long_context.main(["--quick", "--model-dir", str(tmp_path / "absent"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["model_kind"].startswith("tiny char fixture (real model absent")
+    assert "tiny char fixture" in capsys.readouterr().out
+    group = result["details"]["group"]
+    # sharing: the prompt computed once (the 7 copies decode their last prompt token)
+    assert group["prefill_tokens_unshared"] == 8 * group["prompt_tokens"]
+    assert group["prefill_tokens_shared"] == group["prompt_tokens"]
+    assert result["group_prefill_ratio"] == pytest.approx(1 / 8) and result["group_prefill_ratio"] <= 1.2 / 8
+    assert group["repeat_group_prefill_tokens"] == 0 and group["prefix_cache_hits"] >= 1
+    for key in ("group_ttft_speedup", "paged_decode_speedup", "sparse_speed_ratio"):
+        assert result[key] > 0
+    tiers = result["max_context_tokens_tiered"]
+    assert tiers["computed"] is True and tiers["with_int8_tier"] > tiers["without_tier"] > 0
+    assert -1.0 <= result["sparse_accuracy_delta"] <= 1.0 and 0.0 <= result["sparse_output_agreement"] <= 1.0
+    assert result["simulated"] is False
