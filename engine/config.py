@@ -128,6 +128,10 @@ class SchedulerConfig(Section):
     When set, the scheduler issues these tasks (each once) instead of the ``domains`` generators."""
     task_fields: dict[str, str] = Field(default_factory=dict)
     """Field mapping for ``task_files``: task field (prompt, answer, ...) -> the files' column name."""
+    published_tasks: bool = False
+    """Also issue the tasks published with `rollout tasks publish` (topic ``rollout.tasks.published``), each
+    once, ahead of the other sources as they arrive; with ``domains = {}`` and no ``task_files``, only those.
+    The scheduler then runs until stopped, waiting for more. Replicas share the topic as one consumer group."""
     replica: int = Field(0, ge=0)
     """This scheduler's index among ``replicas``: it issues task-file rows replica, replica+n, ..."""
     replicas: int = Field(1, ge=1)

@@ -268,6 +268,31 @@ class Task(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PublishedTask(Message):
+    """rollout.tasks.published, key id: a user's task published by `rollout tasks publish` (a validated row of
+    a task file, :mod:`engine.tasks`); a scheduler with ``published_tasks`` issues each once as a :class:`Task`."""
+
+    SCHEMA: ClassVar[str] = "published_task"
+    VERSION: ClassVar[int] = 1
+
+    id: str
+    domain: str
+    prompt: str
+    spec: dict[str, Any]
+    max_turns: int = 0
+    """0: the domain's own turn count for ``spec``."""
+    source: str = ""
+    """The file it was published from (informational)."""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def _check(self) -> None:
+        if not self.id:
+            raise SchemaError(self.SCHEMA, "id", "must not be empty")
+        if not 0 <= self.max_turns <= 64:
+            raise SchemaError(self.SCHEMA, "max_turns", f"must be in 0..64, got {self.max_turns}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class TokenChunk(Message):
     """rollout.tokens, key sample_id: new tokens of one generation, in order (``seq`` counts chunks)."""
 
@@ -487,6 +512,6 @@ class Heartbeat(Message):
 
 SCHEMAS: dict[str, type[Message]] = {
     cls.SCHEMA: cls
-    for cls in (Task, TokenChunk, SandboxRequest, SandboxResult, Completion, Outcome, Experience, DeadLetter,
+    for cls in (Task, PublishedTask, TokenChunk, SandboxRequest, SandboxResult, Completion, Outcome, Experience, DeadLetter,
                 WeightManifest, Heartbeat)
 }

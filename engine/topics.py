@@ -7,6 +7,7 @@ import dataclasses
 # topic suffix -> what it carries (docs/wire-schemas.md has the schemas)
 TOPIC_SUFFIXES = (
     "tasks",
+    "tasks.published",
     "tokens",
     "sandbox.requests",
     "sandbox.results",
@@ -31,6 +32,11 @@ class Names:
     @property
     def tasks(self) -> str:
         return self.topic("tasks")
+
+    @property
+    def published_tasks(self) -> str:
+        """Users' tasks published with `rollout tasks publish`; schedulers with ``published_tasks`` issue them."""
+        return self.topic("tasks.published")
 
     @property
     def tokens(self) -> str:
