@@ -33,10 +33,14 @@ def _export(args: argparse.Namespace) -> int:
     import anyio
 
     from actors.export import ExportError, ExportFilter, export_jsonl, export_parquet
-    from engine.config import load_config
+    from engine.config import ConfigError, load_config
     from engine.topics import Names
 
-    cfg = load_config(args.config)
+    try:
+        cfg = load_config(args.config)
+    except (ConfigError, OSError) as exc:
+        print(f"rollout export: {exc}", file=sys.stderr)
+        return 2
     flt = ExportFilter(domains=frozenset(args.domain), min_reward=args.min_reward, max_reward=args.max_reward,
                        min_version=args.min_version, max_version=args.max_version, since_ms=args.since_ms,
                        until_ms=args.until_ms)
