@@ -510,8 +510,45 @@ class Heartbeat(Message):
     stats: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvalResult(Message):
+    """rollout.eval, key ``<domain>/<weight_version>``: one domain's held-out evaluation of one served
+    weight version by the ``eval`` actor (the figures of `rollout eval`; tasks the scheduler never issues)."""
+
+    SCHEMA: ClassVar[str] = "eval_result"
+    VERSION: ClassVar[int] = 1
+
+    domain: str
+    weight_version: int
+    """The version the server reported serving when the evaluation started."""
+    tasks: int
+    samples: int
+    """Generations per task."""
+    completion_rate: float
+    """Fraction of generations fully solved."""
+    completion_ci95: list[float]
+    """Wilson 95% interval [low, high] of ``completion_rate``."""
+    mean_correctness: float
+    pass_at_1: float
+    pass_at_k: float
+    mean_turns: float
+    mean_tokens: float
+    temperature: float
+    elapsed_s: float
+    instance: str = ""
+
+    def _check(self) -> None:
+        if not self.domain:
+            raise SchemaError(self.SCHEMA, "domain", "must not be empty")
+        _nonneg(self.SCHEMA, weight_version=self.weight_version, tasks=self.tasks, samples=self.samples)
+        for name in ("completion_rate", "mean_correctness", "pass_at_1", "pass_at_k"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise SchemaError(self.SCHEMA, name, f"must be in [0, 1], got {value}")
+
+
 SCHEMAS: dict[str, type[Message]] = {
     cls.SCHEMA: cls
     for cls in (Task, PublishedTask, TokenChunk, SandboxRequest, SandboxResult, Completion, Outcome, Experience, DeadLetter,
-                WeightManifest, Heartbeat)
+                WeightManifest, Heartbeat, EvalResult)
 }

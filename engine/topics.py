@@ -15,6 +15,7 @@ TOPIC_SUFFIXES = (
     "outcomes",
     "experience",
     "dlq",
+    "eval",
 )
 
 
@@ -65,6 +66,11 @@ class Names:
     @property
     def dlq(self) -> str:
         return self.topic("dlq")
+
+    @property
+    def eval(self) -> str:
+        """Held-out evaluation results of the ``eval`` actor, one record per domain and weight version."""
+        return self.topic("eval")
 
     def group(self, role: str) -> str:
         """Kafka consumer group of a role."""

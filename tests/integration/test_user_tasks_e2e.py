@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 from actors.export import ExportFilter, SftView, export_jsonl
 from actors.learner import LearnerActor
 from actors.learner_core import StepReport
-from engine.config import (EngineConfig, InferenceConfig, KafkaConfig, LearnerConfig, NatsConfig, RewardConfig,
-                           SandboxConfig, SchedulerConfig)
-from engine.schemas import Experience, Task
+from engine.config import (EngineConfig, EvalConfig, InferenceConfig, KafkaConfig, LearnerConfig, NatsConfig,
+                           RewardConfig, SandboxConfig, SchedulerConfig)
+from engine.schemas import EvalResult, Experience, Task
 from ops.cli import main
 from ops.deployment import Deployment
 from streams.kafka import Consumer
@@ -33,6 +33,13 @@ def _user_file(path: Path) -> dict[str, dict[str, str]]:
             for i in range(ROWS)}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
     return rows
+
+
+def _evaluated(d: Deployment) -> int:
+    """Weight versions after v0 the deployment's eval actor has evaluated."""
+    actor = d.supervisor.actors.get("eval")
+    last = actor.statistics()["last_version"] if actor is not None else None
+    return 0 if last is None else last
 
 
 async def _read(cfg: EngineConfig, topic: str, schema: str, n: int) -> list[object]:
@@ -58,7 +65,9 @@ async def test_user_tasks_are_trained_evaluated_and_exported(
         inference=InferenceConfig(max_new_tokens=6),
         sandbox=SandboxConfig(pool_size=1, max_sandboxes=4),
         # the char model scores every sample of a group alike: keep those groups, or the learner never steps
-        reward=RewardConfig(drop_zero_variance=False, group_timeout_s=60))
+        reward=RewardConfig(drop_zero_variance=False, group_timeout_s=60),
+        # evaluation during training: the file's rows, on the first served version and every version after
+        eval=EvalConfig(every_versions=1, task_file=str(tasks_file), temperature=1.0, max_new_tokens=6))
 
     # -- train: the deployment's own roles, the learner with a hook that records each step's samples
     reports: list[StepReport] = []
@@ -68,7 +77,7 @@ async def test_user_tasks_are_trained_evaluated_and_exported(
         async with anyio.create_task_group() as tg:
             tg.start_soon(d.run)
             with anyio.fail_after(150):
-                while len(reports) < 2 or not (trained_dir / "config.json").exists():
+                while len(reports) < 2 or not (trained_dir / "config.json").exists() or _evaluated(d) < 1:
                     await anyio.sleep(0.2)
             d.drain()
     trained = {sid for r in reports for sid in r.trained}
@@ -80,6 +89,12 @@ async def test_user_tasks_are_trained_evaluated_and_exported(
     assert sorted(by_task.values()) == sorted(rows)
     experience = [e for e in await _read(cfg, d.rt.names.experience, Experience.SCHEMA, len(trained))
                   if isinstance(e, Experience)]
+
+    # -- the eval actor evaluated versions while training, on its own topic: v0 first, then a trained one
+    evals = [e for e in await _read(cfg, d.rt.names.eval, EvalResult.SCHEMA, 2) if isinstance(e, EvalResult)]
+    assert evals[0].weight_version == 0 and evals[1].weight_version >= 1
+    assert {e.domain for e in evals} == {"math"} and all(e.tasks == ROWS and e.samples == 1 for e in evals)
+    assert all(e.completion_ci95[0] <= e.completion_rate <= e.completion_ci95[1] for e in evals)
 
     # -- evaluate the trained model on the same file with `rollout eval` (its own event loop: a worker thread)
     report = tmp_path / "eval.json"
