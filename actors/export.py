@@ -1,5 +1,9 @@
 """Export trajectories from the ``rollout.experience`` log to JSONL, filtered and resumable.
 
+Two views: the full record (:func:`experience_row`: token ids, logprobs, versions, rewards, facts) and,
+with an :class:`SftView`, the chat messages of the successful trajectories only (``{"messages": [...]}``,
+the conversational format of SFT trainers), decoded from the token ids with the model's tokenizer.
+
 Why a position file: an export of a long run is interrupted (disk full, ^C) and re-run; the file
 ``<out>.position.json`` beside the output holds the next offset per partition and is rewritten only
 after the rows before it are flushed to the output, so a re-run appends exactly the rows not yet written.
@@ -10,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +65,64 @@ def experience_row(exp: Experience, *, trace: str | None, timestamp_ms: int) -> 
     return row
 
 
+_CHATML_TURN = re.compile(r"<\|im_start\|>([A-Za-z_]+)\n(.*?)(?:<\|im_end\|>|$)", re.S)
+
+
+def correctness(exp: Experience) -> float:
+    """The verifier's correctness of a sample (``facts.reward_terms.correctness``; the reward when absent)."""
+    terms = exp.facts.get("reward_terms") if isinstance(exp.facts, dict) else None
+    if isinstance(terms, dict) and "correctness" in terms:
+        return float(terms["correctness"])
+    return float(exp.reward)
+
+
+@dataclasses.dataclass(frozen=True)
+class SftView:
+    """The SFT view: chat messages of the trajectories that succeeded.
+
+    Success: ``reward >= min_reward`` when given, else fully solved (correctness 1). Messages come from the
+    token ids: a ChatML-rendered sequence (``<|im_start|>role ... <|im_end|>``: SmolLM2, Qwen) is split
+    into its turns as rendered (system, user, assistant, and the observation turns the episode added);
+    a sequence without a chat template (raw text) becomes one user turn (the prompt), then the response's
+    runs: model tokens (loss mask 1) as ``assistant`` turns, observations (loss mask 0) as ``tool`` turns.
+    """
+
+    tokenizer: Any
+    min_reward: float | None = None
+
+    def successful(self, exp: Experience) -> bool:
+        if exp.filtered == "verifier_error" or exp.facts.get("verifier_error"):
+            return False
+        return exp.reward >= self.min_reward if self.min_reward is not None else correctness(exp) >= 1.0
+
+    def messages(self, exp: Experience) -> list[dict[str, str]]:
+        full = [int(t) for t in exp.prompt_ids] + [int(t) for t in exp.response_ids]
+        text = self.tokenizer.decode(full, skip_special_tokens=False)
+        turns = _CHATML_TURN.findall(text)
+        if turns:
+            return [{"role": role, "content": content.strip()} for role, content in turns
+                    if content.strip() or role == "assistant"]
+        prompt = self.tokenizer.decode([int(t) for t in exp.prompt_ids], skip_special_tokens=True)
+        out = [{"role": "user", "content": prompt.strip()}]
+        mask = exp.loss_mask.astype(bool)
+        start = 0
+        for i in range(1, len(mask) + 1):
+            if i == len(mask) or mask[i] != mask[start]:
+                content = self.tokenizer.decode([int(t) for t in exp.response_ids[start:i]], skip_special_tokens=True)
+                out.append({"role": "assistant" if mask[start] else "tool", "content": content.strip()})
+                start = i
+        return out
+
+    def row(self, exp: Experience) -> dict[str, Any] | None:
+        return {"messages": self.messages(exp)} if self.successful(exp) else None
+
+
+def _row_for(sft: SftView | None) -> Callable[[Experience, Any], dict[str, Any] | None]:
+    if sft is not None:
+        return lambda exp, rec: sft.row(exp)
+    return lambda exp, rec: experience_row(exp, trace=rec.traceparent, timestamp_ms=rec.timestamp_ms)
+
+
 def position_path(out: Path) -> Path:
     return out.with_name(out.name + ".position.json")
 
@@ -91,11 +155,12 @@ def _write_parquet_part(out: Path, rows: list[dict[str, Any]]) -> None:
 
 
 async def export_parquet(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
-                         idle_s: float = 3.0) -> tuple[int, int]:
+                         idle_s: float = 3.0, sft: SftView | None = None) -> tuple[int, int]:
     """Like :func:`export_jsonl`, into the directory ``out`` as Parquet part files (one per batch read)."""
     start = read_position(out)
     offsets = dict(start)
     read = written = 0
+    make_row = _row_for(sft)
     consumer = Consumer(cfg, assign_topics=[topic], start_offsets=start or None, expect=(Experience.SCHEMA,))
     async with consumer:
         while records := await consumer.getmany(timeout_s=idle_s):
@@ -104,7 +169,9 @@ async def export_parquet(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFil
                 read += 1
                 offsets[(rec.topic, rec.partition)] = rec.offset + 1
                 if isinstance(rec.message, Experience) and flt.keep(rec.message, rec.timestamp_ms):
-                    rows.append(experience_row(rec.message, trace=rec.traceparent, timestamp_ms=rec.timestamp_ms))
+                    row = make_row(rec.message, rec)
+                    if row is not None:
+                        rows.append(row)
             if rows:
                 try:
                     _write_parquet_part(out, rows)
@@ -117,11 +184,13 @@ async def export_parquet(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFil
 
 
 async def export_jsonl(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
-                       idle_s: float = 3.0) -> tuple[int, int]:
+                       idle_s: float = 3.0, sft: SftView | None = None) -> tuple[int, int]:
     """Append the records of ``topic`` after the stored position to ``out``; returns (read, written).
 
-    Stops once no record has arrived for ``idle_s`` (the log is read to its current end).
+    Stops once no record has arrived for ``idle_s`` (the log is read to its current end). With ``sft``,
+    rows are the SFT view of the successful records (see :class:`SftView`).
     """
+    make_row = _row_for(sft)
     start = read_position(out)
     offsets = dict(start)
     read = written = 0
@@ -142,8 +211,9 @@ async def export_jsonl(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilte
                     offsets[(rec.topic, rec.partition)] = rec.offset + 1
                     exp = rec.message
                     if isinstance(exp, Experience) and flt.keep(exp, rec.timestamp_ms):
-                        lines.append(json.dumps(experience_row(exp, trace=rec.traceparent,
-                                                               timestamp_ms=rec.timestamp_ms)) + "\n")
+                        row = make_row(exp, rec)
+                        if row is not None:
+                            lines.append(json.dumps(row) + "\n")
                 try:
                     f.write("".join(lines))
                     f.flush()

@@ -1,8 +1,11 @@
 """The scheduler role: picks tasks, admits them within the off-policy bound, publishes ``rollout.tasks``.
 
-``SchedulerActor`` consumes no topic. It draws tasks from sources (the domains' generators of
-``actors/domains.py`` and JSONL files), picks a source by weight, and publishes each admitted task
-(keyed by task_id) for ``group_size`` samples. The decisions live in small pure classes:
+``SchedulerActor`` draws tasks from sources (the domains' generators of ``actors/domains.py`` and
+users' task files), picks a source by weight, and publishes each admitted task (keyed by task_id) for
+``group_size`` samples. With ``scheduler.published_tasks`` it also consumes ``rollout.tasks.published``
+(consumer group ``<ns>.scheduler-published``; tasks put there by `rollout tasks publish`) and issues
+those first, as they arrive; a record is acknowledged (its offset committed) once the task it became
+is acknowledged by the broker, so a restart neither loses nor repeats one (bar a crash in between). The decisions live in small pure classes:
 
 - :class:`Admission` — AReaL's rule: admit a task of ``group_size`` samples only while
   ``admitted - filtered < (max_staleness + version + 1) * batch_size``, with ``version``
@@ -29,6 +32,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -45,7 +49,7 @@ from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.config import SchedulerConfig
 from engine.curriculum import LengthCurriculum
-from engine.schemas import Task
+from engine.schemas import PublishedTask, Task
 from engine.topics import Names
 
 log = logging.getLogger("rollout.actors.scheduler")
@@ -110,7 +114,7 @@ class DomainMixer:
     """Sampling weights over sources, rebalanced from observed statistics."""
 
     def __init__(self, weights: dict[str, float], *, floor: float = 0.1, min_groups: int = 4) -> None:
-        if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+        if any(w < 0 for w in weights.values()) or (weights and sum(weights.values()) <= 0):
             raise ValueError(f"domain weights must be non-negative with a positive sum, got {weights}")
         self.base = dict(weights)
         self.floor = floor
@@ -330,6 +334,9 @@ class SchedulerActor(Actor):
                     raise ValueError(f"scheduler.task_files: file names must differ (positions are kept by name): {names}")
                 sources = [TaskFileSource(path, mapping=cfg.task_fields, replica=cfg.replica, replicas=cfg.replicas)
                            for path in cfg.task_files]
+            if not sources and not cfg.published_tasks:
+                raise ValueError("scheduler: no task source (scheduler.domains and scheduler.task_files are empty "
+                                 "and scheduler.published_tasks is off)")
         self.sources = {s.name: s for s in sources}
         file_weights = {f"file:{Path(p).name}": w for p, w in cfg.task_files.items()}
         self.mixer = DomainMixer({n: file_weights.get(n, cfg.domains.get(n, 1.0)) for n in self.sources})
@@ -346,6 +353,10 @@ class SchedulerActor(Actor):
         self.blocked_waits = 0
         self.done = False
         self._status_written: int | None = None
+        self._published: deque[Any] = deque()
+        self._published_record: Any = None
+        """Records of ``rollout.tasks.published`` received and not yet issued."""
+        self.published_issued = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -367,6 +378,8 @@ class SchedulerActor(Actor):
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_learner)
             tg.start_soon(self._watch_stats)
+            if self.cfg.published_tasks:
+                tg.start_soon(self._consume_published)
             try:
                 await self._admit()
             finally:
@@ -393,13 +406,21 @@ class SchedulerActor(Actor):
                 self.blocked_waits += 1
                 await self.wait_changed(timeout_s=0.5)
                 continue
-            task = self._next_task()
+            task = self._next_published() or self._next_task()
+            if task is None and self.cfg.published_tasks:
+                await self._settle(pending)
+                await self.wait_changed(timeout_s=0.5)  # more may be published
+                continue
             if task is None:
                 self.done = True
                 log.info("%s: every task source is exhausted", self.name)
                 break
             await self.rt.producer.wait_room()
-            pending.append(self._publish(task))
+            fut = self._publish(task)
+            record, self._published_record = self._published_record, None
+            if record is not None:  # a published task: its record is done once the task is on the broker
+                fut.add_done_callback(lambda f, r=record: None if f.cancelled() or f.exception() else r.ack())
+            pending.append(fut)
             self.admitted_samples += group_size
             self.tasks_admitted += 1
             if len(pending) >= self.publish_batch:
@@ -430,6 +451,44 @@ class SchedulerActor(Actor):
         for fut in pending:
             await fut
         pending.clear()
+
+    async def _consume_published(self) -> None:
+        """Buffer the records of ``rollout.tasks.published``; commit those whose tasks are issued."""
+        consumer = self.rt.consumer("scheduler-published", ["tasks.published"], expect=(PublishedTask.SCHEMA,))
+        await consumer.start()
+        try:
+            while True:
+                records = await consumer.getmany(timeout_s=0.5)
+                if records:
+                    self._published.extend(records)
+                    self._notify()
+                await consumer.commit()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await consumer.close()
+
+    def _next_published(self) -> Task | None:
+        """The next published task as a :class:`Task` (its record acknowledged once the task is), or None."""
+        while self._published:
+            record = self._published.popleft()
+            msg = record.message
+            if not isinstance(msg, PublishedTask) or msg.domain not in DOMAINS:
+                log.warning("%s: published task %r names an unknown domain %r; dropped", self.name,
+                            getattr(msg, "id", "?"), getattr(msg, "domain", "?"))
+                record.ack()
+                continue
+            domain = DOMAINS[msg.domain]
+            spec = dict(msg.spec, task_file_id=msg.id)
+            sampling: dict[str, Any] = {"max_new_tokens": domain.max_new_tokens or self.rt.cfg.inference.max_new_tokens,
+                                        "temperature": self.rt.cfg.inference.temperature}
+            if domain.stop:
+                sampling["stop"] = list(domain.stop)
+            self.published_issued += 1
+            self._published_record = record
+            return Task(task_id=f"{msg.domain}-{uuid.uuid4().hex[:20]}", domain=msg.domain, prompt=msg.prompt,
+                        spec=spec, group_size=self.cfg.group_size, sampling=sampling,
+                        max_turns=msg.max_turns or domain.turns(spec), admitted_version=self.learner.version)
+        return None
 
     def _next_task(self) -> Task | None:
         while True:
@@ -519,6 +578,7 @@ class SchedulerActor(Actor):
                                for s in self.sources.values() if s.domain},
                 "length_curriculum": self.length_curriculum.state() if self.length_curriculum else {},
                 "source_positions": {n: s.position for n, s in self.sources.items() if isinstance(s, TaskFileSource)},
+                "published_issued": self.published_issued,
                 "updated_at": time.time()}
 
     def statistics(self) -> dict[str, Any]:

@@ -128,6 +128,10 @@ class SchedulerConfig(Section):
     When set, the scheduler issues these tasks (each once) instead of the ``domains`` generators."""
     task_fields: dict[str, str] = Field(default_factory=dict)
     """Field mapping for ``task_files``: task field (prompt, answer, ...) -> the files' column name."""
+    published_tasks: bool = False
+    """Also issue the tasks published with `rollout tasks publish` (topic ``rollout.tasks.published``), each
+    once, ahead of the other sources as they arrive; with ``domains = {}`` and no ``task_files``, only those.
+    The scheduler then runs until stopped, waiting for more. Replicas share the topic as one consumer group."""
     replica: int = Field(0, ge=0)
     """This scheduler's index among ``replicas``: it issues task-file rows replica, replica+n, ..."""
     replicas: int = Field(1, ge=1)
@@ -339,6 +343,38 @@ class LearnerConfig(Section):
     tokenizer, loadable with ``from_pretrained``) when it stops (drain or ``max_steps``)."""
 
 
+class EvalConfig(Section):
+    """Held-out evaluation during training (the ``eval`` actor, run beside the inference role):
+    the policy being served is evaluated on the weight version it starts with and on every
+    ``every_versions``-th version after; each domain's result goes to the ``rollout.eval`` topic
+    and the dashboard plots it beside the training reward. Same episodes and verifiers as `rollout eval`."""
+
+    every_versions: int = Field(0, ge=0)
+    """Evaluate every Nth weight version (0: no evaluation during training)."""
+    domains: dict[str, int] = Field(default_factory=dict)
+    """Built-in domain -> held-out tasks to evaluate (tasks the scheduler never issues)."""
+    task_file: str | None = None
+    """Also evaluate the rows of this task file (JSONL / Parquet / HF dataset dir), e.g. a user's held-out set."""
+    samples: int = Field(1, ge=1, le=64)
+    """Generations per task (pass@k with k = samples)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; judge at the training temperature (greedy: 0, samples must then be 1)."""
+    seed: int = 0
+    max_new_tokens: int = Field(32, ge=1)
+    concurrency: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalConfig":
+        if self.every_versions and not (self.domains or self.task_file):
+            raise ValueError("eval.every_versions is set but eval.domains and eval.task_file name no tasks")
+        if self.samples > 1 and self.temperature <= 0:
+            raise ValueError(f"eval.samples = {self.samples} needs eval.temperature > 0 (greedy samples are identical)")
+        for name, n in self.domains.items():
+            if n < 1:
+                raise ValueError(f"eval.domains.{name} = {n}: evaluate at least 1 task")
+        return self
+
+
 class TelemetryConfig(Section):
     tracing: bool = False
     """Export OpenTelemetry traces (OTEL_* variables configure the exporter)."""
@@ -399,6 +435,7 @@ class EngineConfig(Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
 

@@ -268,6 +268,31 @@ class Task(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PublishedTask(Message):
+    """rollout.tasks.published, key id: a user's task published by `rollout tasks publish` (a validated row of
+    a task file, :mod:`engine.tasks`); a scheduler with ``published_tasks`` issues each once as a :class:`Task`."""
+
+    SCHEMA: ClassVar[str] = "published_task"
+    VERSION: ClassVar[int] = 1
+
+    id: str
+    domain: str
+    prompt: str
+    spec: dict[str, Any]
+    max_turns: int = 0
+    """0: the domain's own turn count for ``spec``."""
+    source: str = ""
+    """The file it was published from (informational)."""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def _check(self) -> None:
+        if not self.id:
+            raise SchemaError(self.SCHEMA, "id", "must not be empty")
+        if not 0 <= self.max_turns <= 64:
+            raise SchemaError(self.SCHEMA, "max_turns", f"must be in 0..64, got {self.max_turns}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class TokenChunk(Message):
     """rollout.tokens, key sample_id: new tokens of one generation, in order (``seq`` counts chunks)."""
 
@@ -485,8 +510,45 @@ class Heartbeat(Message):
     stats: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvalResult(Message):
+    """rollout.eval, key ``<domain>/<weight_version>``: one domain's held-out evaluation of one served
+    weight version by the ``eval`` actor (the figures of `rollout eval`; tasks the scheduler never issues)."""
+
+    SCHEMA: ClassVar[str] = "eval_result"
+    VERSION: ClassVar[int] = 1
+
+    domain: str
+    weight_version: int
+    """The version the server reported serving when the evaluation started."""
+    tasks: int
+    samples: int
+    """Generations per task."""
+    completion_rate: float
+    """Fraction of generations fully solved."""
+    completion_ci95: list[float]
+    """Wilson 95% interval [low, high] of ``completion_rate``."""
+    mean_correctness: float
+    pass_at_1: float
+    pass_at_k: float
+    mean_turns: float
+    mean_tokens: float
+    temperature: float
+    elapsed_s: float
+    instance: str = ""
+
+    def _check(self) -> None:
+        if not self.domain:
+            raise SchemaError(self.SCHEMA, "domain", "must not be empty")
+        _nonneg(self.SCHEMA, weight_version=self.weight_version, tasks=self.tasks, samples=self.samples)
+        for name in ("completion_rate", "mean_correctness", "pass_at_1", "pass_at_k"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise SchemaError(self.SCHEMA, name, f"must be in [0, 1], got {value}")
+
+
 SCHEMAS: dict[str, type[Message]] = {
     cls.SCHEMA: cls
-    for cls in (Task, TokenChunk, SandboxRequest, SandboxResult, Completion, Outcome, Experience, DeadLetter,
-                WeightManifest, Heartbeat)
+    for cls in (Task, PublishedTask, TokenChunk, SandboxRequest, SandboxResult, Completion, Outcome, Experience, DeadLetter,
+                WeightManifest, Heartbeat, EvalResult)
 }

@@ -7,6 +7,7 @@ import dataclasses
 # topic suffix -> what it carries (docs/wire-schemas.md has the schemas)
 TOPIC_SUFFIXES = (
     "tasks",
+    "tasks.published",
     "tokens",
     "sandbox.requests",
     "sandbox.results",
@@ -14,6 +15,7 @@ TOPIC_SUFFIXES = (
     "outcomes",
     "experience",
     "dlq",
+    "eval",
 )
 
 
@@ -31,6 +33,11 @@ class Names:
     @property
     def tasks(self) -> str:
         return self.topic("tasks")
+
+    @property
+    def published_tasks(self) -> str:
+        """Users' tasks published with `rollout tasks publish`; schedulers with ``published_tasks`` issue them."""
+        return self.topic("tasks.published")
 
     @property
     def tokens(self) -> str:
@@ -59,6 +66,11 @@ class Names:
     @property
     def dlq(self) -> str:
         return self.topic("dlq")
+
+    @property
+    def eval(self) -> str:
+        """Held-out evaluation results of the ``eval`` actor, one record per domain and weight version."""
+        return self.topic("eval")
 
     def group(self, role: str) -> str:
         """Kafka consumer group of a role."""

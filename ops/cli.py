@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("ops.cli_model", "prepare real models (fetch, convert, cache) and check model directories"),
     "demo": ("ops.cli_demo", "the main job: a short real RL run on the local stack"),
     "export": ("ops.cli_export", "export trajectories from the experience log to JSONL (filtered, resumable)"),
+    "eval": ("ops.cli_eval", "evaluate a fixed policy on held-out tasks: completion rate, pass@k (table, JSON, Markdown)"),
     "tasks": ("ops.cli_tasks", "validate and preview users' task files (JSONL, Parquet, HF datasets)"),
 }
 

@@ -119,6 +119,11 @@ class Deployment:
             add("inference", lambda: InferenceActor(rt, urls, tokenizer,
                                                     reply_partition=self.cfg.inference.reply_partition,
                                                     weights_dir=self.run_dir / "weights"))
+            if self.cfg.eval.every_versions:
+                from actors.eval_role import EvalActor
+
+                add("eval", lambda: EvalActor(rt, urls, tokenizer, self.cfg.eval, sandbox_backend=self.cfg.sandbox.backend,
+                                              api_key=self.cfg.inference.resolved_api_key()))
 
         if "reward" in self.roles:
             from actors.reward import RewardActor

@@ -112,6 +112,21 @@ def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "bad.jsonl:1: field 'answer' is missing" in capsys.readouterr().err
 
 
+def test_cli_publish_refuses_bad_input_before_connecting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the config names an unreachable broker: each of these must be refused before any connection is tried
+    config = tmp_path / "c.toml"
+    config.write_text('namespace = "x"\n[kafka]\nbootstrap = "127.0.0.1:1"\n')
+    good = _jsonl(tmp_path / "good.jsonl", [{"domain": "math", "prompt": "What is 1 + 2?", "answer": "3"}])
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"domain": "math", "prompt": "x"}])
+    assert cli_main(["tasks", "publish", str(bad), "--config", str(config)]) == 1
+    assert "bad.jsonl:1: field 'answer' is missing" in capsys.readouterr().err
+    assert cli_main(["tasks", "publish", str(good), "--config", str(tmp_path / "absent.toml")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rollout tasks publish: ") and "absent.toml" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit):  # --config is required
+        cli_main(["tasks", "publish", str(good)])
+
+
 def test_scheduler_task_file_source_shards_and_resumes(tmp_path: Path) -> None:
     from actors.scheduler import TaskFileSource
 

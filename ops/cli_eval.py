@@ -1,0 +1,225 @@
+"""`rollout eval`: a fixed policy on held-out task sets, through the same sandboxes and verifiers as training.
+
+The policy is a model directory (served here by the embedded `local` backend, as a deployment starts
+it) or any SGLang-protocol URL. The tasks are built-in domains' held-out tasks (``--domain math=64``)
+and/or a user's task file (``--tasks FILE``, read by :mod:`engine.tasks` like the scheduler reads it).
+Per domain it reports the task completion rate (fraction of episodes fully solved) with a 95% Wilson
+interval, mean correctness, pass@1 and pass@K (unbiased), mean turns and generated tokens: a table on
+stdout, ``--json F`` (with every episode) and ``--markdown F``.
+
+Exit codes: 0 done, 2 bad input (unknown domain, unreadable task file, bad option), 1 the policy could
+not be reached or served. Errors are one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PROG = "rollout eval"
+
+
+class EvalInputError(ValueError):
+    """Bad input (exit code 2); the message names what was wrong."""
+
+
+class PolicyError(RuntimeError):
+    """The policy cannot be reached or served (exit code 1)."""
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    policy = parser.add_mutually_exclusive_group(required=True)
+    policy.add_argument("--model-dir", help="serve this model directory with the embedded local server")
+    policy.add_argument("--url", help="any SGLang-protocol server (e.g. http://127.0.0.1:30000)")
+    parser.add_argument("--tokenizer", help="with --url: the served model's directory, for its chat template "
+                                            "(default: prompts are sent as raw text)")
+    parser.add_argument("--domain", action="append", default=[], metavar="NAME=N",
+                        help="N held-out tasks of built-in domain NAME (repeatable), e.g. --domain math=64")
+    parser.add_argument("--tasks", metavar="FILE", help="a user's task file (JSONL, Parquet or saved HF dataset dir)")
+    parser.add_argument("--map", action="append", default=[], metavar="FIELD=COLUMN",
+                        help="with --tasks: read task FIELD from the file's COLUMN (repeatable)")
+    parser.add_argument("--tasks-domain", help="with --tasks: the domain of rows that name none")
+    parser.add_argument("--samples", type=int, default=1, help="generations per task (K of pass@K; default 1)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default 0 = greedy for --samples 1, else 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="held-out draw and sampling seed (default 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="generation budget of domains that set none (default 32)")
+    parser.add_argument("--concurrency", type=int, default=16, help="episodes in flight (default 16)")
+    parser.add_argument("--sandbox-backend", default="bwrap", choices=("bwrap", "docker"),
+                        help="where verifiers and multi-turn episodes run (default bwrap)")
+    parser.add_argument("--json", metavar="F", help="write the report and every episode as JSON")
+    parser.add_argument("--markdown", metavar="F", help="write the report as a Markdown table")
+    parser.set_defaults(func=_eval)
+
+
+def _domain_counts(pairs: list[str]) -> dict[str, int]:
+    from actors.domains import DOMAINS
+
+    out: dict[str, int] = {}
+    for pair in pairs:
+        name, sep, count = pair.partition("=")
+        if not sep or not name or not count.isdigit() or int(count) < 1:
+            raise EvalInputError(f"--domain wants NAME=N with N >= 1, got {pair!r}")
+        if name not in DOMAINS:
+            raise EvalInputError(f"--domain {pair}: unknown domain {name!r}; known: {', '.join(sorted(DOMAINS))}")
+        out[name] = int(count)
+    return out
+
+
+def load_tasks(args: argparse.Namespace) -> list[Any]:
+    """The task set the arguments name: held-out tasks of each ``--domain``, then the ``--tasks`` file's rows."""
+    from actors.domains import DOMAINS
+    from actors.evaluate import EvalTask, heldout_tasks
+    from engine.tasks import TaskFile, TaskFileError
+
+    if not args.domain and not args.tasks:
+        raise EvalInputError("nothing to evaluate: give --domain NAME=N and/or --tasks FILE")
+    tasks = heldout_tasks(_domain_counts(args.domain), seed=args.seed) if args.domain else []
+    if args.tasks:
+        mapping: dict[str, str] = {}
+        for pair in args.map:
+            field, sep, column = pair.partition("=")
+            if not sep or not field or not column:
+                raise EvalInputError(f"--map wants FIELD=COLUMN, got {pair!r}")
+            mapping[field] = column
+        try:
+            tf = TaskFile(args.tasks, known_domains=DOMAINS, default_domain=args.tasks_domain, mapping=mapping)
+        except TaskFileError as exc:
+            raise EvalInputError(str(exc)) from None
+        tasks += [EvalTask(t.id, t.domain, t.prompt, t.spec, t.max_turns) for t in tf.tasks]
+    if not tasks:
+        raise EvalInputError("the task set is empty (the domains' held-out spaces gave no task)")
+    return tasks
+
+
+async def _check_url(url: str) -> None:
+    from actors.inference.sglang_client import SGLangClient
+
+    try:
+        async with SGLangClient([url], timeout=10, retries=0) as client:
+            healthy = await client.health_generate()
+    except Exception as exc:  # connection refused, bad URL, DNS: all mean "cannot reach the policy"
+        raise PolicyError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
+    if not healthy:
+        raise PolicyError(f"cannot reach {url}: /health_generate did not answer 200 (is an SGLang-protocol server there?)")
+
+
+async def run_eval(args: argparse.Namespace, tasks: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Serve or reach the policy, play every task, return (reports per domain, episode records)."""
+    from actors.evaluate import run_episodes, summarise
+
+    kwargs = dict(seed=args.seed, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
+                  samples=args.samples, temperature=args.temperature, sandbox_backend=args.sandbox_backend)
+    if args.url:
+        await _check_url(args.url)
+        tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
+        records = await run_episodes(args.url, tasks, tokenizer=tokenizer, **kwargs)  # type: ignore[arg-type]
+    else:
+        from actors.inference.backends import inference_backend
+        from actors.inference.launch import LocalServerError
+        from engine.config import InferenceConfig
+
+        model_dir = Path(args.model_dir).expanduser()
+        if not model_dir.is_dir():
+            raise EvalInputError(f"--model-dir {model_dir}: no such directory")
+        from actors.model_dir import ModelDirError, check_model_dir
+
+        try:
+            check_model_dir(model_dir)
+        except ModelDirError as exc:
+            raise EvalInputError(f"--model-dir {model_dir}: {exc}") from None
+        launch = inference_backend("local").launch
+        assert launch is not None
+        tokenizer = _tokenizer(str(model_dir))
+        with tempfile.TemporaryDirectory(prefix="rollout-eval-") as run_dir:
+            try:
+                async with launch(InferenceConfig(), model_dir, Path(run_dir)) as url:
+                    records = await run_episodes(url, tasks, tokenizer=tokenizer, **kwargs)  # type: ignore[arg-type]
+            except LocalServerError as exc:
+                raise PolicyError(str(exc)) from None
+    return summarise(records, args.samples), records
+
+
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises OSError/ValueError/... for a directory without a tokenizer
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise EvalInputError(f"cannot load a tokenizer from {path}: {first}") from None
+
+
+COLUMNS = ("domain", "tasks", "samples", "completion", "95% CI", "correctness", "pass@1", "pass@K", "turns", "tokens")
+
+
+def _columns(samples: int) -> list[str]:
+    """The table's columns; pass@K only when K > 1 (with one sample it is pass@1)."""
+    return [c.replace("K", str(samples)) for c in COLUMNS if c != "pass@K" or samples > 1]
+
+
+def table_rows(reports: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in reports.values():
+        lo, hi = r.completion_ci95
+        row = [r.domain, str(r.tasks), str(r.samples), f"{r.completion_rate:.3f}", f"[{lo:.3f}, {hi:.3f}]",
+               f"{r.mean_correctness:.3f}", f"{r.pass_at_1:.3f}"]
+        row += [f"{r.pass_at_k:.3f}"] if r.samples > 1 else []
+        rows.append(row + [f"{r.mean_turns:.2f}", f"{r.mean_tokens:.1f}"])
+    return rows
+
+
+def format_table(reports: dict[str, Any]) -> str:
+    """The report as an aligned plain-text table, one row per domain."""
+    rows = [_columns(next(iter(reports.values())).samples)] + table_rows(reports)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def format_markdown(reports: dict[str, Any], policy: str) -> str:
+    """The report as a Markdown table under a line naming the policy."""
+    header = _columns(next(iter(reports.values())).samples)
+    lines = [f"Evaluation of `{policy}`", "", "| " + " | ".join(header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(reports)]
+    return "\n".join(lines) + "\n"
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import anyio
+
+    try:
+        if args.samples < 1:
+            raise EvalInputError(f"--samples must be at least 1, got {args.samples}")
+        if args.samples > 1 and args.temperature is not None and args.temperature <= 0:
+            raise EvalInputError(f"--samples {args.samples} needs --temperature > 0")
+        if args.tokenizer and not args.url:
+            raise EvalInputError("--tokenizer goes with --url (a --model-dir brings its own)")
+        if (args.map or args.tasks_domain) and not args.tasks:
+            raise EvalInputError("--map and --tasks-domain go with --tasks FILE")
+        if args.temperature is None:
+            args.temperature = 1.0 if args.samples > 1 else 0.0
+        tasks = load_tasks(args)
+        reports, records = anyio.run(run_eval, args, tasks)
+    except EvalInputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except PolicyError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    policy = args.url or args.model_dir
+    print(format_table(reports))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "policy": policy, "samples": args.samples, "temperature": args.temperature, "seed": args.seed, "sandbox_backend": args.sandbox_backend,
+            "domains": {d: dataclasses.asdict(r) for d, r in reports.items()},
+            "episodes": [dataclasses.asdict(r) for r in records]}, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(reports, str(policy)))
+    return 0
