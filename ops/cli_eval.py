@@ -36,6 +36,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     policy = parser.add_mutually_exclusive_group(required=True)
     policy.add_argument("--model-dir", help="serve this model directory with the embedded local server")
     policy.add_argument("--url", help="any SGLang-protocol server (e.g. http://127.0.0.1:30000)")
+    policy.add_argument("--checkpoint", metavar="DIR",
+                        help="a learner checkpoint (step-*-v*/), or a checkpoint directory (its newest is taken)")
+    policy.add_argument("--weights", metavar="CONFIG",
+                        help="the weight version the learner of the deployment configured by CONFIG last published "
+                             "on NATS (with its inference.model_dir's config and tokenizer)")
     parser.add_argument("--tokenizer", help="with --url: the served model's directory, for its chat template "
                                             "(default: prompts are sent as raw text)")
     parser.add_argument("--domain", action="append", default=[], metavar="NAME=N",
@@ -121,29 +126,94 @@ async def run_eval(args: argparse.Namespace, tasks: list[Any]) -> tuple[dict[str
         tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
         records = await run_episodes(args.url, tasks, tokenizer=tokenizer, **kwargs)  # type: ignore[arg-type]
     else:
-        from actors.inference.backends import inference_backend
-        from actors.inference.launch import LocalServerError
-        from engine.config import InferenceConfig
-
-        model_dir = Path(args.model_dir).expanduser()
-        if not model_dir.is_dir():
-            raise EvalInputError(f"--model-dir {model_dir}: no such directory")
-        from actors.model_dir import ModelDirError, check_model_dir
-
-        try:
-            check_model_dir(model_dir)
-        except ModelDirError as exc:
-            raise EvalInputError(f"--model-dir {model_dir}: {exc}") from None
-        launch = inference_backend("local").launch
-        assert launch is not None
-        tokenizer = _tokenizer(str(model_dir))
-        with tempfile.TemporaryDirectory(prefix="rollout-eval-") as run_dir:
-            try:
-                async with launch(InferenceConfig(), model_dir, Path(run_dir)) as url:
-                    records = await run_episodes(url, tasks, tokenizer=tokenizer, **kwargs)  # type: ignore[arg-type]
-            except LocalServerError as exc:
-                raise PolicyError(str(exc)) from None
+        with tempfile.TemporaryDirectory(prefix="rollout-eval-") as scratch:
+            model_dir = await policy_dir(args, Path(scratch))
+            records = await _serve_and_play(model_dir, tasks, kwargs)
     return summarise(records, args.samples), records
+
+
+async def policy_dir(args: argparse.Namespace, scratch: Path) -> Path:
+    """The model directory to serve: --model-dir, a checkpoint's model, or the latest weights on NATS."""
+    if args.checkpoint:
+        from actors.learner_checkpoint import CheckpointStore
+
+        ckpt = Path(args.checkpoint).expanduser()
+        if not (ckpt / "model").is_dir():
+            newest = CheckpointStore(ckpt).latest()
+            if newest is None:
+                raise EvalInputError(f"--checkpoint {ckpt}: neither a checkpoint (no model/) nor a directory of "
+                                     "checkpoints (no step-*-v*/)")
+            ckpt = newest
+        return ckpt / "model"
+    if args.weights:
+        return await _published_weights(args.weights, scratch)
+    return Path(args.model_dir).expanduser()
+
+
+async def _published_weights(config_path: str, scratch: Path) -> Path:
+    """The latest version on the deployment's weights bucket, over its model directory's config and tokenizer."""
+    import shutil
+
+    from engine.config import ConfigError, load_config
+    from engine.topics import Names
+    from streams.nats import Nats, NatsError
+    from streams.weights import IncompleteModelDir, WeightPublisher, WeightSubscriber
+
+    try:
+        cfg = load_config(config_path)
+    except (ConfigError, OSError) as exc:
+        raise EvalInputError(f"--weights {config_path}: {exc}") from None
+    base = cfg.inference.model_dir
+    if not base:
+        raise EvalInputError(f"--weights {config_path}: inference.model_dir is not set (the published weights need "
+                             "its config and tokenizer)")
+    names = Names(cfg.namespace)
+    try:
+        nats = await Nats(cfg.nats).connect()
+    except (NatsError, OSError) as exc:
+        raise PolicyError(f"--weights: cannot reach NATS at {cfg.nats.url}: {exc}") from None
+    try:
+        manifest = await WeightPublisher(nats, names).latest()
+        if manifest is None:
+            raise PolicyError(f"--weights: namespace {cfg.namespace!r} has no published weight version")
+        out = scratch / "policy"
+        shutil.copytree(Path(base).expanduser(), out)
+        try:
+            vdir = await WeightSubscriber(nats, names, scratch / "fetched").fetch(manifest)
+        except (NatsError, IncompleteModelDir) as exc:
+            raise PolicyError(f"--weights: fetching version {manifest.version}: {exc}") from None
+        for f in vdir.iterdir():
+            shutil.copy2(f, out / f.name)
+        print(f"rollout eval: weight version {manifest.version} (step {manifest.step}) of {cfg.namespace!r}",
+              file=sys.stderr)
+        return out
+    finally:
+        await nats.close()
+
+
+async def _serve_and_play(model_dir: Path, tasks: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    from actors.evaluate import run_episodes
+    from actors.inference.backends import inference_backend
+    from actors.inference.launch import LocalServerError
+    from engine.config import InferenceConfig
+
+    if not model_dir.is_dir():
+        raise EvalInputError(f"model directory {model_dir}: no such directory")
+    from actors.model_dir import ModelDirError, check_model_dir
+
+    try:
+        check_model_dir(model_dir)
+    except ModelDirError as exc:
+        raise EvalInputError(f"model directory {model_dir}: {exc}") from None
+    launch = inference_backend("local").launch
+    assert launch is not None
+    tokenizer = _tokenizer(str(model_dir))
+    with tempfile.TemporaryDirectory(prefix="rollout-eval-") as run_dir:
+        try:
+            async with launch(InferenceConfig(), model_dir, Path(run_dir)) as url:
+                return await run_episodes(url, tasks, tokenizer=tokenizer, **kwargs)
+        except LocalServerError as exc:
+            raise PolicyError(str(exc)) from None
 
 
 def _tokenizer(path: str) -> Any:
@@ -213,7 +283,7 @@ def _eval(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
-    policy = args.url or args.model_dir
+    policy = args.url or args.model_dir or args.checkpoint or f"latest weights of {args.weights}"
     print(format_table(reports))
     if args.json:
         Path(args.json).write_text(json.dumps({

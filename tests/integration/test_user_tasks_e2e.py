@@ -110,6 +110,13 @@ async def test_user_tasks_are_trained_evaluated_and_exported(
     assert lo <= math["completion_rate"] <= hi and 0.0 <= math["pass_at_1"] <= math["pass_at_k"] <= 1.0
     assert math["mean_turns"] == 1.0 and 0 < math["mean_tokens"] <= 8  # math's budget: 8 tokens
     assert "| math | 6 | 2 |" in (tmp_path / "eval.md").read_text()
+    # the learner's final checkpoint is a policy too: `--checkpoint` serves the newest of the directory
+    ckpt_report = tmp_path / "eval-ckpt.json"
+    argv = ["eval", "--checkpoint", str(tmp_path / "ckpt" / unique_name), "--tasks", str(tasks_file),
+            "--json", str(ckpt_report)]
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    from_ckpt = json.loads(ckpt_report.read_text())
+    assert from_ckpt["domains"]["math"]["episodes"] == ROWS and from_ckpt["temperature"] == 0.0
 
     # -- export: full rows and the SFT view, loaded back with datasets
     import datasets

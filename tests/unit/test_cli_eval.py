@@ -102,3 +102,32 @@ def test_policy_is_required() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["eval", "--domain", "math=1"])
     assert exc.value.code == 2
+
+
+def test_checkpoint_without_checkpoints_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--checkpoint", str(tmp_path), "--domain", "math=1"]) == 2
+    assert "neither a checkpoint (no model/) nor a directory of checkpoints" in capsys.readouterr().err
+
+
+def test_checkpoint_directory_serves_its_newest(tmp_path: Path) -> None:
+    import argparse
+
+    import anyio
+
+    from ops.cli_eval import policy_dir
+
+    for name in ("step-00000002-v000002", "step-00000010-v000010", "step-00000009-v000011", ".tmp-x"):
+        (tmp_path / name / "model").mkdir(parents=True)
+    args = argparse.Namespace(checkpoint=str(tmp_path), weights=None, model_dir=None)
+    assert anyio.run(policy_dir, args, tmp_path) == tmp_path / "step-00000010-v000010" / "model"
+    args.checkpoint = str(tmp_path / "step-00000002-v000002")
+    assert anyio.run(policy_dir, args, tmp_path) == tmp_path / "step-00000002-v000002" / "model"
+
+
+def test_weights_need_the_configs_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('namespace = "x"\n')
+    assert main(["eval", "--weights", str(cfg), "--domain", "math=1"]) == 2
+    assert "inference.model_dir is not set" in capsys.readouterr().err
+    assert main(["eval", "--weights", str(tmp_path / "absent.toml"), "--domain", "math=1"]) == 2
+    assert "--weights" in capsys.readouterr().err
