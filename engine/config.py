@@ -185,6 +185,10 @@ class InferenceConfig(Section):
     """Local backend: tokens of finished sequences' KV kept so a prompt sent again (or a multi-turn
     episode's next turn) reuses its prefix (`rollout inference serve --prefix-cache-tokens`); 0 disables.
     Memory: this many tokens x the KV bytes per token (46 KB fp32, 23 KB bf16 for SmolLM2-135M)."""
+    prefix_cache_int8_tokens: int = Field(0, ge=0)
+    """Local backend: a second tier of the prefix cache holding this many more tokens, int8-quantised
+    (entries evicted from the first tier; restored on a hit, close to but not bit-equal with the computed
+    KV); 0 (default): none (`rollout inference serve --prefix-cache-int8-tokens`)."""
     attention_window: int | None = Field(None, ge=1)
     """Local backend: sliding-window attention over the last N positions (plus `attention_sinks`) for
     long inputs; None (default) is full attention. Changes the model's outputs: measure it first

@@ -12,9 +12,12 @@ Every ratio is measured against a baseline run in this same script, on the same 
    the engine's runner (one batched step over the slot cache) against the naive per-sequence baseline:
    ``transformers`` with its own contiguous ``past_key_values`` per sequence, decoded one sequence at a
    time as ``generate`` does. Same model, dtype and contexts. KV bytes per sequence of both reported.
-3. ``max_context_tokens_tiered``: COMPUTED, not measured (no int8 tier is built): a 16 GiB KV budget
-   over the KV bytes per token in the serving dtype, and with an int8 tier (1 byte per element plus a
-   fp32 scale per token, head and layer for keys and values).
+3. ``max_context_tokens_tiered``: a 16 GiB KV budget over the KV bytes per token in the serving dtype
+   (without a tier), and over the int8 tier's bytes per token MEASURED on the engine's prefix cache
+   (``--prefix-cache-int8-tokens``: prompts pushed out of a one-prompt hot tier into the int8 tier; the
+   count of tokens is computed from those bytes, 16 GiB is not allocated). ``int8_tier``: the same
+   prompts sent again are served from the int8 tier: hit tokens, and ``int8_output_agreement`` (greedy
+   completions identical to the first, computed ones) with the largest logprob difference.
 4. ``sparse_accuracy_delta``: held-out ``longdoc`` tasks (greedy, the chat template) with a sliding
    window + attention sinks minus with full attention, ``sparse_speed_ratio`` (seconds full over
    seconds windowed, the same tasks) and ``sparse_output_agreement`` (the fraction of tasks whose greedy
@@ -180,11 +183,46 @@ def kv_budget(model: Any) -> dict[str, Any]:
     per_token = {"fp32": elements * 4, "bf16": elements * 2, "int8": elements + 2 * layers * kv_heads * 4}
     return {
         "computed": True,
-        "note": "computed from bytes/token against a 16 GiB KV budget; the int8 tier is not built",
+        "note": "computed from bytes/token against a 16 GiB KV budget (int8: the formula; the measured figure is "
+                "max_context_tokens_int8_tier_measured)",
         "kv_bytes_per_token": per_token,
         "max_context_tokens_fp32": BUDGET_BYTES // per_token["fp32"],
         "max_context_tokens_bf16": BUDGET_BYTES // per_token["bf16"],
         "max_context_tokens_int8_tier": BUDGET_BYTES // per_token["int8"],
+    }
+
+
+async def measure_int8_tier(model: Any, tok: Any, dtype: str, prompts: list[list[int]], new_tokens: int = 8) -> dict[str, Any]:
+    """Prompts through an engine whose hot prefix tier holds one of them: the rest go down to int8; then again."""
+    from actors.inference.local.protocol import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    hot = max(len(p) for p in prompts) + new_tokens + 1
+    engine = _engine(model, tok, dtype, prefix_cache_tokens=hot, prefix_cache_int8_tokens=hot * len(prompts) * 2)
+    await engine.start()
+
+    async def run(prompt: list[int]) -> Any:
+        seq = engine.submit(prompt, greedy)
+        while not seq.finished:
+            await seq.wait_changed()
+        return seq
+
+    try:
+        first = [await run(p) for p in prompts]
+        held = engine.statistics()
+        again = [await run(p) for p in prompts]
+        stats = engine.statistics()
+    finally:
+        await engine.aclose()
+    agree = sum(a.output_ids == b.output_ids for a, b in zip(first, again))
+    diff = max(max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) for a, b in zip(first, again))
+    return {
+        "prompts": len(prompts), "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts)),
+        "int8_tokens_held": held.prefix_cache_int8_tokens, "int8_bytes_held": held.prefix_cache_int8_bytes,
+        "int8_bytes_per_token_measured": round(held.prefix_cache_int8_bytes / max(1, held.prefix_cache_int8_tokens), 1),
+        "hot_bytes_per_token": held.kv_bytes_per_token,
+        "int8_hits": stats.prefix_cache_int8_hits, "int8_hit_tokens": stats.prefix_cache_int8_hit_tokens,
+        "int8_output_agreement": agree / len(prompts), "int8_max_logprob_diff": round(diff, 4),
     }
 
 
@@ -256,8 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     if args.quick:
         group_tokens, decode_n, decode_ctx, decode_steps, sparse_n, sparse_tokens, window = 1000, 8, 1000, 8, 3, 1000, 256
+        tier_n, tier_tokens = 3, 500
     else:
         group_tokens, decode_n, decode_ctx, decode_steps, sparse_n, sparse_tokens, window = 2000, 32, 4000, 16, 16, 4000, 1024
+        tier_n, tier_tokens = 8, 2000
     sinks = 4
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:
@@ -271,6 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         decode = measure_decode(model, decode_n, decode_ctx, decode_steps)
         print(f"decode done ({time.monotonic() - t_start:.0f}s)", flush=True)
         budget = kv_budget(model)
+        from actors.domain_longdoc import make_longdoc_tokens
+
+        rng = random.Random(11)
+        tier_prompts = [_chat_ids(tok, make_longdoc_tokens(rng, tier_tokens).prompt) for _ in range(tier_n)]
+        tier = asyncio.run(measure_int8_tier(model, tok, args.dtype, tier_prompts))
+        print(f"int8 tier done ({time.monotonic() - t_start:.0f}s)", flush=True)
+        budget["max_context_tokens_int8_tier_measured"] = int(BUDGET_BYTES // tier["int8_bytes_per_token_measured"])
         sparse = asyncio.run(measure_sparse(model, tok, args.dtype, sparse_n, sparse_tokens, window, sinks))
     result = {
         "model_kind": model_kind, "dtype": args.dtype, "quick": args.quick, "simulated": False,
@@ -279,12 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         "group_ttft_speedup": group["group_ttft_speedup"],
         "paged_decode_speedup": decode["paged_decode_speedup"],
         "max_context_tokens_tiered": {"without_tier": budget[f"max_context_tokens_{args.dtype}"],
-                                      "with_int8_tier": budget["max_context_tokens_int8_tier"],
-                                      "computed": True},
+                                      "with_int8_tier": budget["max_context_tokens_int8_tier_measured"],
+                                      "note": "16 GiB over bytes/token; the int8 tier's bytes/token measured "
+                                              "on the engine's prefix cache"},
+        "int8_output_agreement": tier["int8_output_agreement"],
         "sparse_accuracy_delta": sparse["sparse_accuracy_delta"],
         "sparse_speed_ratio": sparse["sparse_speed_ratio"],
         "sparse_output_agreement": sparse["sparse_output_agreement"],
-        "details": {"group": group, "decode": decode, "kv_budget": budget, "sparse": sparse},
+        "details": {"group": group, "decode": decode, "kv_budget": budget, "int8_tier": tier, "sparse": sparse},
         "seconds": round(time.monotonic() - t_start, 1),
     }
     rows = [
@@ -299,9 +348,14 @@ def main(argv: list[str] | None = None) -> int:
          f"{decode['engine_tokens_per_s']} vs {decode['hf_tokens_per_s']} tok/s, {decode['sequences']} seqs x "
          f"{decode['context']} ctx; KV/seq {decode['kv_bytes_per_seq_engine'] / 2**20:.0f} MiB engine, "
          f"{decode['kv_bytes_per_seq_hf'] / 2**20:.0f} MiB HF"),
-        ("max_context_tokens (computed)", f"{budget[f'max_context_tokens_{args.dtype}']:,}",
-         f"16 GiB / {budget['kv_bytes_per_token'][args.dtype]} B/token ({args.dtype}); "
-         f"int8 tier: {budget['max_context_tokens_int8_tier']:,} ({budget['kv_bytes_per_token']['int8']} B/token)"),
+        ("max_context_tokens", f"{budget[f'max_context_tokens_{args.dtype}']:,}",
+         f"16 GiB / {budget['kv_bytes_per_token'][args.dtype]} B/token ({args.dtype}), no tier"),
+        ("  with the int8 tier", f"{budget['max_context_tokens_int8_tier_measured']:,}",
+         f"16 GiB / {tier['int8_bytes_per_token_measured']} B/token measured in the int8 tier "
+         f"({tier['int8_tokens_held']} tokens held)"),
+        ("int8_output_agreement", f"{tier['int8_output_agreement']:.3f}",
+         f"{tier['prompts']} prompts of ~{tier['prompt_tokens_mean']} tokens served again from int8 "
+         f"({tier['int8_hit_tokens']} hit tokens); max logprob diff {tier['int8_max_logprob_diff']}"),
         ("sparse_accuracy_delta", f"{sparse['sparse_accuracy_delta']:+.3f}",
          f"window {window}+{sinks} sinks {sparse['accuracy_window']:.3f} vs full {sparse['accuracy_full']:.3f}, "
          f"{sparse['tasks']} longdoc tasks of ~{sparse['prompt_tokens_mean']} tokens; strict format "

@@ -40,6 +40,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--prefix-cache-tokens", type=int, default=8192,
                        help="tokens of finished sequences' KV kept for reuse by later prompts with the same prefix; "
                             "0 disables (default: 8192)")
+    serve.add_argument("--prefix-cache-int8-tokens", type=int, default=0,
+                       help="a second, int8-compressed tier of the prefix cache: tokens evicted from the first are "
+                            "quantised and kept this many more; 0: none (default: 0)")
     serve.add_argument("--attention-window", type=int, default=None,
                        help="sliding-window attention over the last N positions (default: full attention)")
     serve.add_argument("--attention-sinks", type=int, default=0,
@@ -90,6 +93,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout inference serve: --prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}",
               file=sys.stderr)
         return 2
+    if args.prefix_cache_int8_tokens < 0:
+        print(f"rollout inference serve: --prefix-cache-int8-tokens must be >= 0, got {args.prefix_cache_int8_tokens}",
+              file=sys.stderr)
+        return 2
     if args.attention_window is not None and args.attention_window < 1:
         print(f"rollout inference serve: --attention-window must be at least 1, got {args.attention_window}",
               file=sys.stderr)
@@ -126,6 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         dtype=args.dtype,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        prefix_cache_int8_tokens=args.prefix_cache_int8_tokens,
         attention_window=args.attention_window,
         attention_sinks=args.attention_sinks,
         seed=args.seed,

@@ -63,7 +63,7 @@ class LocalServer:
                  max_batch: int = 64, chunk_size: int = 512, torch_threads: int = 1,
                  startup_timeout_s: float = 120.0, api_key: str | None = None, dtype: str = "fp32",
                  prefix_cache_tokens: int = 8192, attention_window: int | None = None,
-                 attention_sinks: int = 0) -> None:
+                 attention_sinks: int = 0, prefix_cache_int8_tokens: int = 0) -> None:
         self.model_dir = str(model_dir)
         self.api_key = api_key
         self.log_path = Path(log_path)
@@ -72,6 +72,7 @@ class LocalServer:
         self.chunk_size = chunk_size
         self.dtype = dtype
         self.prefix_cache_tokens = prefix_cache_tokens
+        self.prefix_cache_int8_tokens = prefix_cache_int8_tokens
         self.attention_window = attention_window
         self.attention_sinks = attention_sinks
         self.torch_threads = torch_threads
@@ -89,7 +90,8 @@ class LocalServer:
         argv = [sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", "--model-dir", self.model_dir,
                 "--weight-version", self.weight_version, "--max-batch", str(self.max_batch),
                 "--chunk-size", str(self.chunk_size), "--torch-threads", str(self.torch_threads),
-                "--dtype", self.dtype, "--prefix-cache-tokens", str(self.prefix_cache_tokens)]
+                "--dtype", self.dtype, "--prefix-cache-tokens", str(self.prefix_cache_tokens),
+                "--prefix-cache-int8-tokens", str(self.prefix_cache_int8_tokens)]
         if self.attention_window is not None:
             argv += ["--attention-window", str(self.attention_window), "--attention-sinks", str(self.attention_sinks)]
         env = dict(os.environ)
@@ -160,7 +162,8 @@ def launch_local(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalS
     """The `local` backend's embedded server for a deployment: it requires the configured api key."""
     return LocalServer(model_dir, log_path=run_dir / "logs" / "inference-server.log", max_batch=cfg.max_batch,
                        dtype=cfg.dtype, api_key=cfg.resolved_api_key(), prefix_cache_tokens=cfg.prefix_cache_tokens,
-                       attention_window=cfg.attention_window, attention_sinks=cfg.attention_sinks)
+                       attention_window=cfg.attention_window, attention_sinks=cfg.attention_sinks,
+                       prefix_cache_int8_tokens=cfg.prefix_cache_int8_tokens)
 
 
 register_inference_backend("local", launch_local, description="the embedded torch server of this project")

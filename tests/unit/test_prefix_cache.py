@@ -216,3 +216,65 @@ def test_a_small_window_changes_attention_consistently_in_prefill_and_decode(tok
     assert torch.allclose(one_pass[0], want, atol=1e-4)
     with pytest.raises(ValueError, match="attention_window"):
         SlotRunner(model, attention_window=0)
+
+
+# ------------------------------------------------------------------------ the int8 tier
+
+
+def test_int8_round_trip_is_close_and_four_times_smaller() -> None:
+    from actors.inference.local.prefix_cache import dequantize_int8, quantize_int8
+
+    kv = torch.randn(2, 2, 3, 50, 64)
+    q, scale = quantize_int8(kv)
+    back = dequantize_int8(q, scale, torch.float32)
+    assert q.dtype == torch.int8 and back.shape == kv.shape
+    # symmetric rounding: at most half a step (amax / 127 / 2) per element
+    assert ((back - kv).abs() <= scale / 2 + 1e-6).all()
+    assert (q.numel() + scale.numel() * 4) / (kv.numel() * 4) < 0.27
+
+
+def test_evicted_entries_move_to_the_int8_tier_and_come_back_on_a_hit() -> None:
+    cache = PrefixCache(max_tokens=8, bytes_per_token=4, int8_tokens=8)
+    kvs = {n: torch.randn(1, 2, 1, n, 4) for n in (5, 6)}
+    assert cache.insert([1, 2, 3, 4, 5], lambda n: kvs[5][:, :, :, :n], epoch=0)
+    assert cache.insert([9, 8, 7, 6, 5, 4], lambda n: kvs[6][:, :, :, :n], epoch=0)  # evicts [1..5] to int8
+    stats = cache.statistics()
+    assert (stats.tokens, stats.int8_tokens, stats.int8_entries) == (6, 5, 1)
+    assert stats.int8_bytes == 5 * 2 * 4 + 5 * 2 * 4  # int8 elements + one fp32 scale per (k|v, position)
+    n, kv = cache.lookup([1, 2, 3, 4, 5, 0], limit=5, epoch=0)
+    assert n == 5 and kv is not None and torch.allclose(kv, kvs[5], atol=kvs[5].abs().max().item() / 127)
+    stats = cache.statistics()
+    assert (stats.int8_hits, stats.int8_hit_tokens) == (1, 5)
+    assert (stats.tokens, stats.int8_tokens) == (5, 6)  # promoted to hot; the other one went down
+    assert cache.lookup([1, 2, 3, 4, 5], limit=5, epoch=1) == (0, None)  # another epoch: never served
+    assert cache.clear() == 11 and cache.statistics().int8_tokens == 0
+
+
+def test_without_an_int8_tier_evicted_entries_are_gone() -> None:
+    cache = PrefixCache(max_tokens=8, bytes_per_token=4)
+    assert cache.insert([1, 2, 3, 4, 5], lambda n: torch.zeros(1, 2, 1, n, 4), epoch=0)
+    assert cache.insert([9, 8, 7, 6, 5, 4], lambda n: torch.zeros(1, 2, 1, n, 4), epoch=0)
+    assert cache.lookup([1, 2, 3, 4, 5], limit=5, epoch=0) == (0, None)
+    assert cache.statistics().int8_tokens == 0 and cache.statistics().evicted_tokens == 5
+
+
+@pytest.mark.anyio
+async def test_engine_serves_a_prefix_back_from_the_int8_tier(tok) -> None:  # type: ignore[no-untyped-def]
+    model = _model(tok)
+    a, b = tok.encode("# task: print the sum of 2 and 3\n$ "), tok.encode("# goal: list the files here\n$ ")
+    budget = len(a) + 10 + 4  # room for one finished sequence in the hot tier
+    engine = LocalEngine(model, tok, max_batch=4, chunk_size=16, prefix_cache_tokens=budget,
+                         prefix_cache_int8_tokens=4 * budget)
+    await engine.start()
+    try:
+        first = await _generate(engine, a)
+        await _generate(engine, b)  # pushes a's entry down to int8
+        assert engine.statistics().prefix_cache_int8_tokens > 0
+        again = await _generate(engine, a)
+        stats = engine.statistics()
+    finally:
+        await engine.aclose()
+    assert stats.prefix_cache_int8_hits == 1 and again.cached_tokens == len(a) - 1
+    # the tiny model's greedy choice is robust to int8 keys and values on this prompt
+    assert again.output_ids == first.output_ids
+    assert again.logprobs == pytest.approx(first.logprobs, abs=0.05)

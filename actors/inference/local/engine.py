@@ -139,6 +139,12 @@ class EngineStatistics:
     """Prompt tokens copied from running sequences (a group's samples)."""
     prefix_cache_evicted_tokens: int = 0
     prefix_cache_flushes: int = 0
+    prefix_cache_int8_tokens: int = 0
+    """Tokens held in the int8 tier (evicted from the hot tier, quantised)."""
+    prefix_cache_int8_bytes: int = 0
+    prefix_cache_int8_max_tokens: int = 0
+    prefix_cache_int8_hits: int = 0
+    prefix_cache_int8_hit_tokens: int = 0
 
 
 @dataclass
@@ -162,6 +168,7 @@ class LocalEngine:
         model_path: str = "",
         dtype: str = "fp32",
         prefix_cache_tokens: int = 8192,
+        prefix_cache_int8_tokens: int = 0,
         prefix_sharing: bool = True,
         attention_window: int | None = None,
         attention_sinks: int = 0,
@@ -170,6 +177,8 @@ class LocalEngine:
             raise ValueError("max_batch and chunk_size must be at least 1")
         if prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
+        if prefix_cache_int8_tokens < 0:
+            raise ValueError(f"prefix_cache_int8_tokens must be >= 0 (0: no int8 tier), got {prefix_cache_int8_tokens}")
         if dtype not in SERVING_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, not {dtype!r}")
         # bf16 serving: weights and KV cache in bf16 (2-4x faster GEMMs on CPUs with avx512_bf16);
@@ -182,7 +191,8 @@ class LocalEngine:
                                  attention_sinks=attention_sinks)
         self.prefix_sharing = prefix_sharing
         """False: every sequence computes its whole prompt (no copies from running sequences or the cache)."""
-        self.prefix_cache = PrefixCache(prefix_cache_tokens if prefix_sharing else 0, self.runner.bytes_per_token())
+        self.prefix_cache = PrefixCache(prefix_cache_tokens if prefix_sharing else 0, self.runner.bytes_per_token(),
+                                        int8_tokens=prefix_cache_int8_tokens)
         self._epoch = 0  # bumped by every weight change: KV computed under another epoch is never reused
         self._shared_tokens = 0
         self.max_batch = max_batch
@@ -248,6 +258,11 @@ class LocalEngine:
             shared_prefix_tokens=self._shared_tokens,
             prefix_cache_evicted_tokens=cache.evicted_tokens,
             prefix_cache_flushes=cache.flushes,
+            prefix_cache_int8_tokens=cache.int8_tokens,
+            prefix_cache_int8_bytes=cache.int8_bytes,
+            prefix_cache_int8_max_tokens=cache.int8_max_tokens,
+            prefix_cache_int8_hits=cache.int8_hits,
+            prefix_cache_int8_hit_tokens=cache.int8_hit_tokens,
         )
 
     def flush_cache(self) -> bool:

@@ -16,6 +16,13 @@ Invariants:
   stored (the held one is refreshed instead).
 - Lookups scan entries (a handful: the budget bounds them) for the longest common token prefix; the
   scan is linear in tokens compared, small next to the forward pass a hit saves.
+
+A second, compressed tier (``int8_tokens`` > 0, off by default): an entry evicted from the hot tier is
+quantised to int8 (one fp32 scale per position, head and K/V: symmetric, ``amax / 127`` over the head
+dimension; about 1/4 of fp32's bytes, 1/2 of bf16's) and kept LRU within its own token budget; a lookup
+whose best match is there dequantises it back into the serving dtype and promotes it to the hot tier.
+Keys and values restored from int8 are close to, not equal to, the ones computed (the greedy-agreement
+cost is measured by ``loadtests/long_context.py``); weight changes clear both tiers alike.
 """
 
 from __future__ import annotations
@@ -42,6 +49,12 @@ class PrefixCacheStatistics:
     hit_tokens: int
     evicted_tokens: int
     flushes: int
+    int8_entries: int = 0
+    int8_tokens: int = 0
+    int8_bytes: int = 0
+    int8_max_tokens: int = 0
+    int8_hits: int = 0
+    int8_hit_tokens: int = 0
 
 
 @dataclass
@@ -49,6 +62,30 @@ class _Entry:
     tokens: list[int]
     kv: torch.Tensor  # (layers, 2, kv_heads, len(tokens), head_dim)
     epoch: int
+
+
+@dataclass
+class _Int8Entry:
+    tokens: list[int]
+    q: torch.Tensor  # int8, the shape of the entry's kv
+    scale: torch.Tensor  # fp32, (layers, 2, kv_heads, len(tokens), 1)
+    dtype: torch.dtype
+    epoch: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+def quantize_int8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last (head) dimension: ``kv ~= q * scale``."""
+    x = kv.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+    return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -71,10 +108,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class PrefixCache:
     """A token-prefix -> KV store bounded in tokens, LRU-evicted; see the module docstring."""
 
-    def __init__(self, max_tokens: int, bytes_per_token: int, *, min_tokens: int = 2) -> None:
+    def __init__(self, max_tokens: int, bytes_per_token: int, *, min_tokens: int = 2, int8_tokens: int = 0) -> None:
         if max_tokens < 0:
             raise ValueError(f"prefix cache max_tokens must be >= 0, got {max_tokens}")
+        if int8_tokens < 0:
+            raise ValueError(f"prefix cache int8_tokens must be >= 0 (0: no int8 tier), got {int8_tokens}")
         self.max_tokens = max_tokens
+        self.int8_max_tokens = int8_tokens if max_tokens > 0 else 0
+        self._cold: OrderedDict[int, _Int8Entry] = OrderedDict()
+        self._cold_tokens = 0
+        self._cold_hits = self._cold_hit_tokens = 0
         self.bytes_per_token = bytes_per_token
         self.min_tokens = min_tokens
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
@@ -92,7 +135,7 @@ class PrefixCache:
         ``kv`` holds at least ``n`` positions (slice it); ``(0, None)`` on a miss. A hit counts in the
         statistics only once the caller uses it (:meth:`record_hit`).
         """
-        if not self._entries or limit < 1:
+        if not (self._entries or self._cold) or limit < 1:
             return 0, None
         self._lookups += 1
         best, best_id = 0, None
@@ -102,10 +145,29 @@ class PrefixCache:
             n = min(common_prefix(tokens, entry.tokens), limit)
             if n > best:
                 best, best_id = n, key
+        cold_best, cold_id = best, None
+        for key, cold in self._cold.items():
+            if cold.epoch != epoch:
+                continue
+            n = min(common_prefix(tokens, cold.tokens), limit)
+            if n > cold_best:
+                cold_best, cold_id = n, key
+        if cold_id is not None and cold_best >= self.min_tokens:
+            return cold_best, self._promote(cold_id, cold_best)
         if best_id is None or best < self.min_tokens:
             return 0, None
         self._entries.move_to_end(best_id)
         return best, self._entries[best_id].kv
+
+    def _promote(self, key: int, used: int) -> torch.Tensor:
+        """Dequantise an int8 entry, move it to the hot tier; its kv."""
+        cold = self._cold.pop(key)
+        self._cold_tokens -= len(cold.tokens)
+        self._cold_hits += 1
+        self._cold_hit_tokens += used
+        kv = dequantize_int8(cold.q, cold.scale, cold.dtype)
+        self._store_hot(cold.tokens, kv, cold.epoch)
+        return kv
 
     def record_hit(self, tokens: int) -> None:
         """A lookup's prefix was copied into a sequence: ``tokens`` not computed."""
@@ -127,20 +189,45 @@ class PrefixCache:
                 return False
             if shared == len(entry.tokens):  # the new entry supersedes this one
                 self._drop(key)
+        for key, cold in list(self._cold.items()):  # the int8 copies this entry supersedes or contains
+            if cold.epoch != epoch or common_prefix(tokens, cold.tokens) == len(cold.tokens):
+                self._drop_cold(key)
+        self._store_hot(list(tokens), export(n), epoch)
+        return True
+
+    def _store_hot(self, tokens: list[int], kv: torch.Tensor, epoch: int) -> None:
+        n = len(tokens)
         while self._entries and self._tokens + n > self.max_tokens:
             key = next(iter(self._entries))
             self._evicted += len(self._entries[key].tokens)
-            self._drop(key)
-        self._entries[self._next_id] = _Entry(list(tokens), export(n), epoch)
+            self._demote(key)
+        self._entries[self._next_id] = _Entry(tokens, kv, epoch)
         self._next_id += 1
         self._tokens += n
-        return True
+
+    def _demote(self, key: int) -> None:
+        """Evict a hot entry: into the int8 tier when it has one (and the entry fits), else dropped."""
+        entry = self._entries[key]
+        self._drop(key)
+        n = len(entry.tokens)
+        if n > self.int8_max_tokens:
+            return
+        while self._cold and self._cold_tokens + n > self.int8_max_tokens:
+            self._drop_cold(next(iter(self._cold)))
+        q, scale = quantize_int8(entry.kv)
+        self._cold[key] = _Int8Entry(entry.tokens, q, scale, entry.kv.dtype, entry.epoch)
+        self._cold_tokens += n
+
+    def _drop_cold(self, key: int) -> None:
+        cold = self._cold.pop(key)
+        self._cold_tokens -= len(cold.tokens)
 
     def clear(self) -> int:
         """Free every entry; returns how many tokens were held."""
-        held = self._tokens
+        held = self._tokens + self._cold_tokens
         self._entries.clear()
-        self._tokens = 0
+        self._cold.clear()
+        self._tokens = self._cold_tokens = 0
         self._flushes += 1
         return held
 
@@ -159,4 +246,10 @@ class PrefixCache:
             hit_tokens=self._hit_tokens,
             evicted_tokens=self._evicted,
             flushes=self._flushes,
+            int8_entries=len(self._cold),
+            int8_tokens=self._cold_tokens,
+            int8_bytes=sum(c.nbytes for c in self._cold.values()),
+            int8_max_tokens=self.int8_max_tokens,
+            int8_hits=self._cold_hits,
+            int8_hit_tokens=self._cold_hit_tokens,
         )

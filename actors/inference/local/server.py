@@ -61,6 +61,8 @@ class ServerConfig:
     dtype: str = "fp32"
     prefix_cache_tokens: int = 8192
     """Tokens of finished sequences' KV kept for reuse (the retained prefix cache); 0 disables it."""
+    prefix_cache_int8_tokens: int = 0
+    """Tokens of the prefix cache's int8 tier (entries evicted from the hot tier, quantised); 0: none."""
     attention_window: int | None = None
     """Sliding-window attention: each token attends to the last ``attention_window`` positions (and the
     sinks); None: full attention."""
@@ -503,6 +505,7 @@ async def _load_engine(state: _State) -> None:
         chunk_size=config.chunk_size,
         dtype=config.dtype,
         prefix_cache_tokens=config.prefix_cache_tokens,
+        prefix_cache_int8_tokens=config.prefix_cache_int8_tokens,
         attention_window=config.attention_window,
         attention_sinks=config.attention_sinks,
         weight_version=config.weight_version,
