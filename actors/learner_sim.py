@@ -6,7 +6,8 @@ staleness, the ledger, batching, checkpoints, the status in KV, and the weight p
 Only two durations are simulated, from ``engine.config.LearnerSimulateConfig``:
 
 - step (s) = 6 * model_params * tokens / (gpus * peak_flops * mfu), tokens = prompt + response tokens of
-  the step's trained samples (6 = forward 2 + backward 4 FLOPs per parameter per token);
+  the step's trained samples, response tokens times ``response_token_scale`` (6 = forward 2 + backward 4
+  FLOPs per parameter per token);
 - publication (s) = model_params * bytes_per_param / transfer_bytes_per_s, waited before a (tiny) real
   publication is announced, so the announcement comes when the stated model's bytes would have moved.
 
@@ -49,9 +50,10 @@ def describe(sim: LearnerSimulateConfig) -> dict[str, Any]:
             "publish_seconds": publish_seconds(sim)}
 
 
-def sample_tokens(samples: Sequence[Experience]) -> int:
-    """Prompt plus response tokens of ``samples`` (what a real step would run forward and backward)."""
-    return sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+def sample_tokens(samples: Sequence[Experience], response_token_scale: float = 1.0) -> int:
+    """Prompt plus response tokens of ``samples`` (what a real step would run forward and backward), each
+    response token counted as ``response_token_scale`` real ones."""
+    return sum(len(s.prompt_ids) + round(len(s.response_ids) * response_token_scale) for s in samples)
 
 
 class SimulatedLearner(Learner):
@@ -71,7 +73,7 @@ class SimulatedLearner(Learner):
         self.simulated_seconds = 0.0
 
     def train_on(self, samples: Sequence[Experience]) -> dict[str, float]:
-        tokens = sample_tokens(samples)
+        tokens = sample_tokens(samples, self.sim.response_token_scale)
         seconds = step_seconds(self.sim, tokens)
         self.simulated_seconds += seconds
         self._sleep(seconds * self.sim.time_scale)

@@ -309,6 +309,10 @@ class LearnerSimulateConfig(Section):
     """Bandwidth of a weight publication (learner to inference fleet), bytes/s."""
     time_scale: float = Field(1.0, ge=0)
     """Wall seconds per simulated second (0.01: a 100x faster-than-real run; match the sim servers')."""
+    response_token_scale: float = Field(1.0, ge=1)
+    """Real tokens each response token stands for: a simulated fleet may emit one synthetic token per k
+    real ones to keep the engine's per-token work small (loadtests/fleet.py); the step counts k x the
+    response tokens. 1: a token is a token."""
 
 
 class LearnerConfig(Section):

@@ -94,6 +94,7 @@ def test_simulated_step_waits_the_scaled_step_time_and_keeps_the_real_ledger() -
 
 def test_sample_tokens_counts_prompt_and_response() -> None:
     assert sample_tokens([make_exp("a", prompt=3, response=5), make_exp("b", prompt=1, response=1)]) == 10
+    assert sample_tokens([make_exp("a", prompt=3, response=5)], response_token_scale=32) == 3 + 160
 
 
 def test_simulated_learner_needs_the_section() -> None:
