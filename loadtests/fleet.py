@@ -9,10 +9,10 @@ publication time from 15.2 GB over 25 GB/s). See docs/fleet.md.
 
 Two scale factors keep a 2-core machine able to play the fleet, both stated in the JSON:
 
-- ``token_scale`` k: each synthetic token stands for k real ones. The sim server's decode step moves k
-  steps' worth of bytes (HBM bandwidth / k, step overhead x k, which keeps the KV term exact) and its
-  response lengths are the long-tailed distribution divided by k; the learner counts k x the response
-  tokens (``learner.simulate.response_token_scale``). Without it the HTTP stream of every token, not the
+- ``token_scale`` k: each synthetic token stands for k real ones. The sim server's step takes the time of
+  k real decode steps at the real KV length and its response lengths are the long-tailed distribution
+  divided by k (``SimEngine(token_scale=k)``); the learner counts k x the response tokens
+  (``learner.simulate.response_token_scale``). Without it the HTTP stream of every token, not the
   engine's per-sample work, would be what is measured.
 - ``time_scale``: wall seconds per simulated second, for the servers and the learner alike.
 
@@ -95,17 +95,10 @@ class Plan:
 
 def sim_options(token_scale: int, time_scale: float) -> Any:
     """The roofline of one H100 SXM serving Qwen2.5-7B, each synthetic token standing for ``token_scale``."""
-    from actors.inference.sim.roofline import Hardware, LengthModel, Roofline
+    from actors.inference.sim.roofline import Roofline
     from actors.inference.sim.server import SimOptions
 
-    hw = Hardware()
-    scaled = Hardware(name=f"{hw.name}, 1 synthetic token = {token_scale} tokens",
-                      hbm_bytes_per_s=hw.hbm_bytes_per_s / token_scale, step_overhead_s=hw.step_overhead_s * token_scale)
-    lengths = LengthModel()
-    return SimOptions(roofline=Roofline(hardware=scaled),
-                      lengths=LengthModel(median=lengths.median / token_scale, sigma=lengths.sigma,
-                                          max_tokens=max(1, lengths.max_tokens // token_scale)),
-                      time_scale=time_scale)
+    return SimOptions(roofline=Roofline(), time_scale=time_scale, token_scale=token_scale)
 
 
 async def _serve_sims(n: int, token_scale: int, time_scale: float, urls_file: Path) -> None:
@@ -177,14 +170,18 @@ class SimHost:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds_from_stat(stat: str, ticks_per_s: int = _TICK) -> float:
+    """utime + stime + cutime + cstime (proc(5) fields 14-17) of one ``/proc/<pid>/stat`` line, in seconds."""
+    fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces and ')'
+    return sum(int(x) for x in fields[11:15]) / ticks_per_s  # field 3 (state) is fields[0]
+
+
 def process_cpu_s(pid: int) -> float:
-    """utime + stime + cutime + cstime of ``pid`` in seconds (the reaped children: sandbox processes)."""
+    """CPU seconds of ``pid`` and its reaped children (a role's sandbox processes); 0.0 once it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return cpu_seconds_from_stat(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return 0.0
-    fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
-    return sum(int(x) for x in fields[11:15]) / _TICK  # fields 14-17 of proc(5), counted from 3
 
 
 def us_per_sample(cpu_s: dict[str, float], samples: int) -> dict[str, float | None]:
