@@ -29,7 +29,8 @@ Parts:
 2. partial rollouts (interrupt on weight update and resume) against none: the inference actor always
    interrupts and resumes (``abort_all_requests`` then resume from the kept tokens); it has no mode without,
    so there is nothing to compare against: ``null`` with the reason.
-3. fleet growth: async runs on 1, 4, 16, 64 servers (batch and admitted samples growing with the fleet):
+3. fleet growth: async runs on 1, 4, 16, 64 servers (batch 16 x servers, capped at 64: admitted samples
+   grow with the fleet until then), measured from one learner step to another over >= ``window_s``:
    trained samples/s held over the measured window (``max_samples_per_s``: the best), and each role's CPU
    microseconds per trained sample (``engine_us_per_sample``): utime + stime (+ reaped children's, e.g.
    sandbox processes) of the role's process from ``/proc/<pid>/stat``, difference over the window.
@@ -82,13 +83,15 @@ class Plan:
     fleet: tuple[int, ...] = (1, 4, 16, 64)
     window_s: float = 40.0
     """Fleet growth: seconds measured per size (after the first learner step)."""
+    fleet_batch_cap: int = 64
+    """Fleet growth: batch = batch_size x servers up to this (a 2-core machine holds a few samples/s)."""
     calibrate: bool = True
     quick: bool = False
     """Calibrate with fewer points too."""
 
     @staticmethod
     def quick_plan() -> "Plan":
-        return Plan(target_steps=4, rounds=2, fleet=(1, 4), window_s=25.0, quick=True)
+        return Plan(target_steps=4, rounds=2, fleet=(1, 4), window_s=20.0, fleet_batch_cap=32, quick=True)
 
 
 # -- the simulated servers: N sim apps in one process ---------------------------------------------
@@ -272,11 +275,13 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
             trained = int(stats.get("trained", 0))
             now = time.monotonic()
             if window_s is not None and trained0 == 0 and trained > 0:
-                trained0, t0 = trained, now  # the window starts once the pipeline is full
+                # the window runs from one learner step to another: it opens at the first one (pipeline full)
+                trained0, t0 = trained, now
                 cpu0 = {r: process_cpu_s(p.pid or 0) for r, p in procs.items()}
             if target is not None and trained >= target:
                 break
-            if window_s is not None and trained0 and now - t0 >= window_s:
+            # ... and closes at the first step after window_s, with at least two steps inside
+            if window_s is not None and trained0 and now - t0 >= window_s and trained - trained0 >= 2 * batch_size:
                 break
             if now > deadline:
                 raise TimeoutError(f"{mode} on {servers} servers: {trained} trained after {now - started:.0f}s")
@@ -294,6 +299,9 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
             f"({result.samples_per_s:.2f}/s), stale-dropped {stats.get('dropped_stale')}")
         return result
     finally:
+        for p in procs.values():  # every role drains at once, then each is waited for
+            if p.alive() and p.proc is not None:
+                p.proc.send_signal(signal.SIGTERM)
         for p in procs.values():
             p.terminate(timeout_s=20.0)
         sims.stop()
@@ -307,7 +315,7 @@ def calibration(model_dir: Path | None, quick: bool, work: Path) -> dict[str, An
     out = work / "calibration.json"
     argv = [sys.executable, "-m", "actors.inference.sim.calibrate", "--model-dir", str(model_dir), "--json", str(out)]
     if quick:
-        argv.append("--quick")
+        argv += ["--quick", "--repeats", "2"]
     proc = subprocess.run(argv, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not out.exists():
         return {"calibration_error": None, "calibration_note": f"calibration failed: {proc.stderr[-500:]}"}
@@ -365,10 +373,11 @@ def run(plan: Plan, work: Path, model_dir: Path | None, *, log: Any = print) -> 
                     "partial_rollouts_over_none": None, "partial_rollouts_note": PARTIAL_ROLLOUTS_NULL_REASON})
         # 3. fleet growth
         growth: list[dict[str, Any]] = []
-        log(f"fleet growth: async S={plan.staleness}, batch {plan.batch_size} x servers, {plan.window_s:.0f}s window")
+        log(f"fleet growth: async S={plan.staleness}, batch {plan.batch_size} x servers up to {plan.fleet_batch_cap}, "
+            f"window >= {plan.window_s:.0f}s and 2 steps")
         for n in plan.fleet:
             res1 = run_cluster(stack, work, tiny, plan, mode="fleet", servers=n, staleness=plan.staleness,
-                               batch_size=plan.batch_size * n, target=None, window_s=plan.window_s, log=log)
+                               batch_size=min(plan.batch_size * n, plan.fleet_batch_cap), target=None, window_s=plan.window_s, log=log)
             growth.append(res1.row())
         best = max(growth, key=lambda g: g["samples_per_s"])
         out.update({"fleet": growth, "max_samples_per_s": best["samples_per_s"],
@@ -394,7 +403,8 @@ def print_results(out: dict[str, Any]) -> None:
     ci = out["async_over_sync_ci95"]
     print(f"async_over_sync (time to {out['target_trained_samples']} trained samples): {out['async_over_sync']}x"
           + (f" (95% interval {ci[0]}..{ci[1]})" if ci else ""))
-    print(f"partial rollouts vs none: {out['partial_rollouts_over_none']} ({out['partial_rollouts_note']})")
+    partial = out["partial_rollouts_over_none"]
+    print(f"partial rollouts vs none: {'null' if partial is None else partial} ({out['partial_rollouts_note']})")
     print(f"\n{'servers':>8}{'batch':>7}{'samples/s':>11}" + "".join(f"{r + ' us':>14}" for r in ROLES))
     for g in out["fleet"]:
         us = g["engine_us_per_sample"]
