@@ -70,12 +70,12 @@ PARTIAL_ROLLOUTS_NULL_REASON = (
 class Plan:
     """One benchmark's settings (``--quick`` shrinks them)."""
 
-    token_scale: int = 64
-    time_scale: float = 0.15
+    token_scale: int = 256
+    time_scale: float = 0.25
     staleness: int = 4
     batch_size: int = 16
     group_size: int = 4
-    target_steps: int = 8
+    target_steps: int = 10
     """Async vs sync: learner steps whose samples are the 'N trained samples' (N = steps x batch)."""
     servers: int = 2
     """Sim servers of the async-vs-sync runs."""
@@ -91,7 +91,8 @@ class Plan:
 
     @staticmethod
     def quick_plan() -> "Plan":
-        return Plan(target_steps=4, rounds=2, fleet=(1, 4), window_s=20.0, fleet_batch_cap=32, quick=True)
+        return Plan(time_scale=0.15, target_steps=6, rounds=2, fleet=(1, 4), window_s=15.0, fleet_batch_cap=32,
+                    quick=True)
 
 
 # -- the simulated servers: N sim apps in one process ---------------------------------------------
@@ -214,6 +215,8 @@ class RunResult:
     window_s: float
     samples_per_s: float
     cpu_s: dict[str, float]
+    sim_cpu_s: float
+    """CPU of the simulated servers' process (not the engine's)."""
     learner: dict[str, Any] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
@@ -221,6 +224,7 @@ class RunResult:
                 "seconds_to_target": self.seconds_to_target, "trained": self.trained,
                 "window_s": round(self.window_s, 2), "samples_per_s": round(self.samples_per_s, 3),
                 "engine_us_per_sample": us_per_sample(self.cpu_s, self.trained),
+                "sim_servers_us_per_sample": us_per_sample({"sim": self.sim_cpu_s}, self.trained)["sim"],
                 "dropped_stale": self.learner.get("dropped_stale"), "filtered": self.learner.get("filtered")}
 
 
@@ -267,6 +271,8 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
         procs["scheduler"].wait_ready()
         started = time.monotonic()
         cpu0 = {r: process_cpu_s(p.pid or 0) for r, p in procs.items()}
+        assert sims.proc is not None
+        sim0 = process_cpu_s(sims.proc.pid)
         trained0, t0 = 0, started
         stats: dict[str, Any] = {}
         deadline = started + (window_s or 0) + 600.0
@@ -278,6 +284,7 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
                 # the window runs from one learner step to another: it opens at the first one (pipeline full)
                 trained0, t0 = trained, now
                 cpu0 = {r: process_cpu_s(p.pid or 0) for r, p in procs.items()}
+                sim0 = process_cpu_s(sims.proc.pid)
             if target is not None and trained >= target:
                 break
             # ... and closes at the first step after window_s, with at least two steps inside
@@ -291,10 +298,11 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
             time.sleep(0.25)
         end = time.monotonic()
         cpu = {r: process_cpu_s(p.pid or 0) - cpu0[r] for r, p in procs.items()}
+        sim_cpu = process_cpu_s(sims.proc.pid) - sim0
         counted = trained - trained0
         span = end - (t0 if window_s is not None else started)
         result = RunResult(mode, servers, staleness, batch_size, round(end - started, 2) if target else None,
-                           counted, span, counted / span if span > 0 else 0.0, cpu, stats)
+                           counted, span, counted / span if span > 0 else 0.0, cpu, sim_cpu, stats)
         log(f"  {mode:<6} servers {servers:>3} S={staleness} batch {batch_size:>4}: {counted} trained in {span:.1f}s "
             f"({result.samples_per_s:.2f}/s), stale-dropped {stats.get('dropped_stale')}")
         return result
@@ -405,11 +413,13 @@ def print_results(out: dict[str, Any]) -> None:
           + (f" (95% interval {ci[0]}..{ci[1]})" if ci else ""))
     partial = out["partial_rollouts_over_none"]
     print(f"partial rollouts vs none: {'null' if partial is None else partial} ({out['partial_rollouts_note']})")
-    print(f"\n{'servers':>8}{'batch':>7}{'samples/s':>11}" + "".join(f"{r + ' us':>14}" for r in ROLES))
+    print(f"\n{'servers':>8}{'batch':>7}{'samples/s':>11}" + "".join(f"{r + ' us':>14}" for r in ROLES)
+          + f"{'(sim servers us)':>18}")
     for g in out["fleet"]:
         us = g["engine_us_per_sample"]
         print(f"{g['servers']:>8}{g['batch_size']:>7}{g['samples_per_s']:>11.2f}"
-              + "".join(f"{'-' if us[r] is None else f'{us[r]:.0f}':>14}" for r in ROLES))
+              + "".join(f"{'-' if us[r] is None else f'{us[r]:.0f}':>14}" for r in ROLES)
+              + f"{g['sim_servers_us_per_sample'] or 0:>18.0f}")
     print(f"max_samples_per_s: {out['max_samples_per_s']} (at {out['max_samples_per_s_servers']} servers)")
     err = out["calibration_error"]
     print(f"calibration_error: {'null' if err is None else f'{err:.1%}'} ({out['calibration_note']})")
@@ -442,7 +452,7 @@ def plot(out: dict[str, Any], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="2 rounds of 4 steps, fleet of 1 and 4 servers")
+    p.add_argument("--quick", action="store_true", help="2 rounds of 6 steps at time scale 0.15, fleet of 1 and 4 servers")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write the fleet-growth PNG here (needs matplotlib)")
     p.add_argument("--rounds", type=int, help="async/sync pairs (default 3; 2 with --quick)")
@@ -455,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=Plan.time_scale, help=argparse.SUPPRESS)
     p.add_argument("--urls-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the role processes, sim servers, broker and nats-server are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.sim_host is not None:
         if args.sim_host < 1 or not args.urls_file:
             p.error("--sim-host N needs N >= 1 and --urls-file")
