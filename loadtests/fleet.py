@@ -273,7 +273,7 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
         cpu0 = {r: process_cpu_s(p.pid or 0) for r, p in procs.items()}
         assert sims.proc is not None
         sim0 = process_cpu_s(sims.proc.pid)
-        trained0, t0 = 0, started
+        trained0, t0, last = 0, started, 0
         stats: dict[str, Any] = {}
         deadline = started + (window_s or 0) + 600.0
         while True:
@@ -288,8 +288,10 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
             if target is not None and trained >= target:
                 break
             # ... and closes at the first step after window_s, with at least two steps inside
-            if window_s is not None and trained0 and now - t0 >= window_s and trained - trained0 >= 2 * batch_size:
+            if (window_s is not None and trained0 and trained != last and now - t0 >= window_s
+                    and trained - trained0 >= 2 * batch_size):
                 break
+            last = trained
             if now > deadline:
                 raise TimeoutError(f"{mode} on {servers} servers: {trained} trained after {now - started:.0f}s")
             for r, p in procs.items():
