@@ -442,11 +442,15 @@ def plot(out: dict[str, Any], path: Path) -> bool:
     a.plot(xs, [g["samples_per_s"] for g in fleet], "o-")
     a.set(xscale="log", xlabel="simulated servers", ylabel="trained samples / s (wall)",
           title="SIMULATED fleet: throughput the engine holds")
+    a.set_ylim(bottom=0)
     for r in ROLES:
         b.plot(xs, [g["engine_us_per_sample"][r] or 0 for g in fleet], "o-", label=r)
     b.set(xscale="log", yscale="log", xlabel="simulated servers", ylabel="CPU us per trained sample",
           title="engine CPU per sample, by role")
     b.legend()
+    for ax in (a, b):
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return True
