@@ -22,6 +22,9 @@
   since this learner actor was made), ``wall`` (Unix time), ``version``, ``trained``, ``reward_trained``
   (mean reward of the trained samples), ``reward_all`` (mean reward of every sample folded into the step,
   trained and filtered: what a synchronous loop would call its batch reward) and the step's metrics.
+- ``learner.simulate``: the step only waits a SIMULATED time and publications wait a simulated transfer
+  time (``actors/learner_sim.py``); the tiny built-in model is what is checkpointed and published, and the
+  status, step lines and logs say ``simulated``.
 - ``learner.export_dir``: when set, the final weights (model and tokenizer) are saved there as a Hugging
   Face directory when the learner stops (drain or ``max_steps``), after the final checkpoint.
 """
@@ -161,6 +164,10 @@ class LearnerActor(Actor):
             torch.set_num_threads(self.rt.cfg.learner.torch_threads)
         self.learner, self.tokenizer = await anyio.to_thread.run_sync(self._load)
         assert self.learner is not None
+        if self.cfg.simulate is not None:
+            from actors.learner_sim import describe
+
+            log.warning("%s: SIMULATED learner (no training): %s", self.name, describe(self.cfg.simulate))
         self._audit([{"event": "start", "life": self._life, "step": self.learner.step_count,
                       "version": self.learner.version,
                       "resumed_from": self.resumed_from.name if self.resumed_from else None}])
@@ -232,8 +239,8 @@ class LearnerActor(Actor):
             self._last_step_end = time.monotonic()
             if span.is_recording():
                 self._trace_step(span, report, offered)
-        log.info("%s: step %d (judged at v%d): trained %d, stale %d, filtered %d, dup %d, loss %.4f",
-                 self.name, report.step, report.version, len(report.trained), len(report.dropped_stale),
+        log.info("%s: %sstep %d (judged at v%d): trained %d, stale %d, filtered %d, dup %d, loss %.4f",
+                 self.name, "SIMULATED " if self.cfg.simulate else "", report.step, report.version, len(report.trained), len(report.dropped_stale),
                  len(report.filtered), report.duplicates, report.metrics.get("loss", float("nan")))
         if self.on_step is not None:
             self.on_step(report)
@@ -305,6 +312,11 @@ class LearnerActor(Actor):
         assert self.learner is not None and self.publisher is not None
         learner, tokenizer = self.learner, self.tokenizer
         assert tokenizer is not None
+        if self.cfg.simulate is not None:
+            from actors.learner_sim import publish_seconds
+
+            # SIMULATED: the stated model's bytes over the stated bandwidth, before the (tiny) real publication
+            await anyio.sleep(publish_seconds(self.cfg.simulate) * self.cfg.simulate.time_scale)
         with tempfile.TemporaryDirectory(prefix="rollout-weights-") as tmp:
             # the whole HF directory (config, safetensors, tokenizer): what SGLang's /update_weights_from_disk
             # and a fresh `--model-path` load (streams/weights.py: check_hf_dir); tensors in learner.publish_dtype
@@ -332,6 +344,8 @@ class LearnerActor(Actor):
         status = {"version": self.learner.version, "step": self.learner.step_count, "consumed": ledger.consumed,
                   "trained": ledger.trained, "dropped_stale": ledger.dropped_stale, "filtered": ledger.filtered,
                   "never_trained": self.learner.never_trained}
+        if self.cfg.simulate is not None:
+            status["simulated"] = True
         self._status_never_trained = self.learner.never_trained
         await self.rt.require_nats().kv_put(self.rt.kv_bucket, Names.LEARNER_VERSION_KEY, json.dumps(status).encode())
 
@@ -368,7 +382,7 @@ class LearnerActor(Actor):
         return self._make_learner(model, tokenizer, max_staleness), tokenizer
 
     def _initial_model(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-        if self.model_dir is not None:
+        if self.model_dir is not None and self.cfg.simulate is None:
             return load_model_dir(self.model_dir)
         tokenizer = build_char_tokenizer()
         return build_tiny_model(tiny_config(len(tokenizer)), seed=self.cfg.seed), tokenizer
@@ -376,6 +390,10 @@ class LearnerActor(Actor):
     def _make_learner(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_staleness: int,
                       reference: PreTrainedModel | None = None) -> Learner:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        if self.cfg.simulate is not None:
+            from actors.learner_sim import SimulatedLearner
+
+            return SimulatedLearner(model, self.cfg, max_staleness=max_staleness, pad_id=pad)
         return Learner(model, self.cfg, max_staleness=max_staleness, pad_id=pad, reference=reference)
 
     def _reached_max_steps(self) -> bool:

@@ -289,6 +289,36 @@ class RewardConfig(Section):
     """Penalty per generated token (encourages concise answers)."""
 
 
+class LearnerSimulateConfig(Section):
+    """A SIMULATED learner step (``actors/learner_sim.py``): everything but the optimizer step is real.
+
+    The step waits ``6 * model_params * tokens / (gpus * peak_flops * mfu)`` seconds (times
+    ``time_scale``) instead of running torch; a weight publication writes a tiny model's files but first
+    waits ``model_params * bytes_per_param / transfer_bytes_per_s`` (times ``time_scale``), the time the
+    stated model's weights would take to move. Logs, step lines and status say ``simulated``."""
+
+    gpu: str = "H100 SXM"
+    """The accelerator assumed (named in logs and results; ``peak_flops`` is its figure)."""
+    gpus: int = Field(8, ge=1, le=100000)
+    """Training accelerators the step is spread over."""
+    model_params: float = Field(7.6e9, ge=1e6, le=1e13)
+    """Parameters of the trained model (default Qwen2.5-7B's 7.6e9; a count, e.g. 7e9, not billions)."""
+    peak_flops: float = Field(989e12, gt=0)
+    """Peak dense FLOP/s of one accelerator (H100 SXM bf16: 989e12, NVIDIA datasheet)."""
+    mfu: float = Field(0.4, gt=0, le=1)
+    """Model FLOPs utilisation assumed for the step (a fraction of ``peak_flops``)."""
+    bytes_per_param: int = Field(2, ge=1, le=8)
+    """Bytes of one published parameter (bf16: 2)."""
+    transfer_bytes_per_s: float = Field(25e9, gt=0)
+    """Bandwidth of a weight publication (learner to inference fleet), bytes/s."""
+    time_scale: float = Field(1.0, ge=0)
+    """Wall seconds per simulated second (0.01: a 100x faster-than-real run; match the sim servers')."""
+    response_token_scale: float = Field(1.0, ge=1)
+    """Real tokens each response token stands for: a simulated fleet may emit one synthetic token per k
+    real ones to keep the engine's per-token work small (loadtests/fleet.py); the step counts k x the
+    response tokens. 1: a token is a token."""
+
+
 class LearnerConfig(Section):
     batch_size: int = Field(16, ge=1)
     """Samples per optimizer step."""
@@ -345,6 +375,9 @@ class LearnerConfig(Section):
     export_dir: str | None = None
     """When set, the learner saves its final weights there as a Hugging Face directory (model and
     tokenizer, loadable with ``from_pretrained``) when it stops (drain or ``max_steps``)."""
+    simulate: LearnerSimulateConfig | None = None
+    """SIMULATED step time instead of a torch step (see ``LearnerSimulateConfig``); None: train for real.
+    E.g. ``simulate = {gpus = 8, model_params = 7e9, mfu = 0.4}``."""
 
 
 class EvalConfig(Section):

@@ -84,10 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--quick", action="store_true", help="fewer points")
+    ap.add_argument("--repeats", type=int, default=3, help="timings per point, the best kept (default 3)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     lens = [32, 128, 256] if args.quick else [32, 64, 128, 256, 512]
     batches = [1, 4, 8] if args.quick else [1, 2, 4, 8, 16]
-    result = asyncio.run(measure(args.model_dir, prompt_lens=lens, batches=batches))
+    result = asyncio.run(measure(args.model_dir, prompt_lens=lens, batches=batches, repeats=args.repeats))
     print(f"{'prefill tokens':>15} {'seconds':>9}")
     for n, t in zip(lens, result["prefill"]["seconds"]):
         print(f"{n:>15} {t:>9.4f}")

@@ -4,6 +4,11 @@ Why: plugged into the local server's HTTP layer it speaks the same SGLang protoc
 part of the engine (clients, scheduler, Kafka/NATS) runs unchanged against it. Tokens are synthetic,
 logprobs are synthetic (labelled in ``/model_info``), and each step sleeps its simulated duration
 scaled by ``time_scale``.
+
+``token_scale`` k: each synthetic output token stands for k real ones (a fleet benchmark's way to keep the
+HTTP and Kafka work per sample small). A step then takes the time of k real decode steps at the real KV
+length (prompt + k x output tokens of every running sequence, at the middle of those k steps), a
+re-prefill counts k x the output tokens, and the sampled response length is divided by k (rounded up).
 """
 
 from __future__ import annotations
@@ -69,9 +74,11 @@ class SimEngine:
         weight_version: str = "default",
         vocab_size: int = 49152,
         context_length: int = 32768,
+        token_scale: int = 1,
     ) -> None:
-        if max_batch < 1 or time_scale < 0:
-            raise ValueError("max_batch must be >= 1 and time_scale >= 0")
+        if max_batch < 1 or time_scale < 0 or token_scale < 1:
+            raise ValueError("max_batch must be >= 1, time_scale >= 0 and token_scale >= 1")
+        self.token_scale = token_scale
         self.roofline = roofline or Roofline()
         self.lengths = lengths or LengthModel()
         self.tokenizer = tokenizer or ByteTokenizer()
@@ -132,7 +139,7 @@ class SimEngine:
         seq = Sequence(rid=rid or secrets.token_hex(16), prompt_ids=list(prompt_ids), params=params,
                        top_logprobs_num=top_logprobs_num, weight_version=self.weight_version)
         # The response length this sequence will reach unless max_new_tokens cuts it (long-tailed).
-        self._targets[id(seq)] = self.lengths.sample(self._rng)
+        self._targets[id(seq)] = -(-self.lengths.sample(self._rng) // self.token_scale)
         if params.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
             return seq
@@ -203,14 +210,21 @@ class SimEngine:
                     continue
                 while self._waiting and len(self._running) < self.max_batch:
                     self._running.append(self._waiting.popleft())
-                prefill = sum(len(s.tokens()) - s.cached for s in self._running)
-                cache = sum(len(s.tokens()) for s in self._running)
-                await self._sleep(self.roofline.prefill_s(prefill) + self.roofline.decode_step_s(cache))
+                prefill = sum(self._real(s, len(s.tokens())) - self._real(s, s.cached) for s in self._running)
+                k = self.token_scale
+                # k real decode steps; the KV length (summed over the batch) taken at their middle
+                cache = sum(self._real(s, len(s.tokens())) for s in self._running) + len(self._running) * (k - 1) // 2
+                await self._sleep(self.roofline.prefill_s(prefill) + k * self.roofline.decode_step_s(cache))
                 self._steps += 1
                 self._prefill_tokens += prefill
                 version = self.weight_version
                 for seq in list(self._running):
                     self._step_one(seq, version)
+
+    def _real(self, seq: Sequence, n: int) -> int:
+        """Real tokens the first ``n`` tokens of ``seq`` stand for (output tokens count ``token_scale``)."""
+        prompt = len(seq.prompt_ids)
+        return min(n, prompt) + self.token_scale * max(0, n - prompt)
 
     def _step_one(self, seq: Sequence, version: str) -> None:
         """Append one synthetic token; finish at the sampled length (stop) or max_new_tokens (length)."""

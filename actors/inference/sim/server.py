@@ -30,6 +30,8 @@ class SimOptions:
     lengths: LengthModel = LengthModel()
     time_scale: float = 1.0
     """Wall seconds per simulated second (0.01: a 100x faster-than-real fleet)."""
+    token_scale: int = 1
+    """Real tokens each synthetic output token stands for (``SimEngine``)."""
 
 
 def _tokenizer(model_dir: str | None) -> Any:
@@ -49,10 +51,11 @@ def build_sim_app(config: ServerConfig, options: SimOptions = SimOptions()) -> w
     async def lifecycle(app: web.Application) -> Any:
         tokenizer = await asyncio.to_thread(_tokenizer, config.model_dir)
         engine = SimEngine(options.roofline, options.lengths, tokenizer, max_batch=config.max_batch,
-                           time_scale=options.time_scale, seed=config.seed, weight_version=config.weight_version)
+                           time_scale=options.time_scale, token_scale=options.token_scale, seed=config.seed,
+                           weight_version=config.weight_version)
         await engine.start()
         state.engine = engine  # type: ignore[assignment]  # same public API as LocalEngine
-        log.info("SIMULATED inference server: %s", options.roofline.describe())
+        log.info("SIMULATED inference server: %s, token_scale %d", options.roofline.describe(), options.token_scale)
         yield
         await engine.aclose()
 

@@ -1,0 +1,508 @@
+"""A SIMULATED accelerator fleet under the real engine: async against sync, and throughput as the fleet grows.
+
+Real: the private Kafka broker and nats-server, every role as its own ``rollout run --role R`` process
+(scheduler with admission control, inference actor, sandbox actor with bwrap sandboxes, reward with group
+normalisation, learner with its ledger, checkpoints and weight publication over NATS). SIMULATED: the
+inference servers (``actors/inference/sim``: roofline timing of an H100 SXM serving Qwen2.5-7B, synthetic
+tokens) and the learner's step (``learner.simulate``: 6 x params x tokens / (gpus x peak x MFU) on 8 H100s,
+publication time from 15.2 GB over 25 GB/s). See docs/fleet.md.
+
+Two scale factors keep a 2-core machine able to play the fleet, both stated in the JSON:
+
+- ``token_scale`` k: each synthetic token stands for k real ones. The sim server's step takes the time of
+  k real decode steps at the real KV length and its response lengths are the long-tailed distribution
+  divided by k (``SimEngine(token_scale=k)``); the learner counts k x the response tokens
+  (``learner.simulate.response_token_scale``). Without it the HTTP stream of every token, not the
+  engine's per-sample work, would be what is measured.
+- ``time_scale``: wall seconds per simulated second, for the servers and the learner alike.
+
+Response lengths: ``actors.inference.sim.roofline.LengthModel`` defaults, a lognormal with median 1,500
+tokens, sigma 0.9, capped at 16,384: an ASSUMED long tail shaped like the long-CoT RL length curves
+(DeepSeek-R1, DAPO report means of several thousand tokens with a tail to the generation cap), not a
+fit to one run's histogram.
+
+Parts:
+
+1. async (``max_staleness`` S) against sync (0), same workload and fleet, ``rounds`` pairs alternating
+   which goes first: time to N trained samples (from the scheduler's start, all roles ready); the ratio
+   per round, its mean ``async_over_sync`` and 95% interval.
+2. partial rollouts (interrupt on weight update and resume) against none: the inference actor always
+   interrupts and resumes (``abort_all_requests`` then resume from the kept tokens); it has no mode without,
+   so there is nothing to compare against: ``null`` with the reason.
+3. fleet growth: async runs on 1, 4, 16, 64 servers (batch 16 x servers, capped at 64: admitted samples
+   grow with the fleet until then), measured from one learner step to another over >= ``window_s``:
+   trained samples/s held over the measured window (``max_samples_per_s``: the best), and each role's CPU
+   microseconds per trained sample (``engine_us_per_sample``): utime + stime (+ reaped children's, e.g.
+   sandbox processes) of the role's process from ``/proc/<pid>/stat``, difference over the window.
+4. ``calibration_error``: ``actors.inference.sim.calibrate`` against the local engine on the real model
+   (``--model-dir``, default the prepared SmolLM2-135M-Instruct; null with the reason when absent).
+
+    python -m loadtests.fleet [--quick] [--json F] [--plot PNG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtests._stats import ci95
+
+GPU = "H100 SXM"
+MODEL = "Qwen2.5-7B"
+ROLES = ("scheduler", "inference", "sandbox", "reward", "learner")
+DEFAULT_MODEL_DIR = Path.home() / ".cache/rollout-engine/models/smollm2-135m-instruct"
+PARTIAL_ROLLOUTS_NULL_REASON = (
+    "the inference actor always interrupts generations on a weight update (abort_all_requests) and resumes them "
+    "from the kept tokens; it has no mode without partial rollouts to compare against")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One benchmark's settings (``--quick`` shrinks them)."""
+
+    token_scale: int = 256
+    time_scale: float = 0.25
+    staleness: int = 4
+    batch_size: int = 16
+    group_size: int = 4
+    target_steps: int = 10
+    """Async vs sync: learner steps whose samples are the 'N trained samples' (N = steps x batch)."""
+    servers: int = 2
+    """Sim servers of the async-vs-sync runs."""
+    rounds: int = 3
+    fleet: tuple[int, ...] = (1, 4, 16, 64)
+    window_s: float = 40.0
+    """Fleet growth: seconds measured per size (after the first learner step)."""
+    fleet_batch_cap: int = 64
+    """Fleet growth: batch = batch_size x servers up to this (a 2-core machine holds a few samples/s)."""
+    calibrate: bool = True
+    quick: bool = False
+    """Calibrate with fewer points too."""
+
+    @staticmethod
+    def quick_plan() -> "Plan":
+        return Plan(time_scale=0.15, target_steps=6, rounds=2, fleet=(1, 4), window_s=15.0, fleet_batch_cap=32,
+                    quick=True)
+
+
+# -- the simulated servers: N sim apps in one process ---------------------------------------------
+
+def sim_options(token_scale: int, time_scale: float) -> Any:
+    """The roofline of one H100 SXM serving Qwen2.5-7B, each synthetic token standing for ``token_scale``."""
+    from actors.inference.sim.roofline import Roofline
+    from actors.inference.sim.server import SimOptions
+
+    return SimOptions(roofline=Roofline(), time_scale=time_scale, token_scale=token_scale)
+
+
+async def _serve_sims(n: int, token_scale: int, time_scale: float, urls_file: Path) -> None:
+    from actors.inference.local.server import ServerConfig
+    from actors.inference.sim.server import serve_sim
+
+    urls: list[str] = []
+    bound = asyncio.Event()
+
+    def on_bound(host: str, port: int) -> None:
+        urls.append(f"http://{host}:{port}")
+        if len(urls) == n:
+            bound.set()
+
+    options = sim_options(token_scale, time_scale)
+    tasks = [asyncio.create_task(serve_sim(ServerConfig(port=0, max_batch=1024, seed=i), options, on_bound=on_bound))
+             for i in range(n)]
+    await bound.wait()
+    tmp = urls_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(sorted(urls)))
+    tmp.rename(urls_file)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SimHost:
+    """``python -m loadtests.fleet --sim-host N``: N simulated servers in one process; stopped by its pid."""
+
+    def __init__(self, n: int, plan: Plan, work: Path) -> None:
+        self.n, self.plan, self.work = n, plan, work
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.urls: list[str] = []
+
+    def start(self, timeout_s: float = 120.0) -> list[str]:
+        urls_file = self.work / "sim-urls.json"
+        urls_file.unlink(missing_ok=True)
+        log = open(self.work / "sim-host.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loadtests.fleet", "--sim-host", str(self.n), "--token-scale",
+             str(self.plan.token_scale), "--time-scale", str(self.plan.time_scale), "--urls-file", str(urls_file)],
+            cwd=Path(__file__).resolve().parents[1], stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not urls_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sim host exited (rc {self.proc.returncode}); see {self.work / 'sim-host.log'}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sim host: no URLs after {timeout_s}s")
+            time.sleep(0.2)
+        self.urls = json.loads(urls_file.read_text())
+        return self.urls
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+# -- CPU time per process ----------------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds_from_stat(stat: str, ticks_per_s: int = _TICK) -> float:
+    """utime + stime + cutime + cstime (proc(5) fields 14-17) of one ``/proc/<pid>/stat`` line, in seconds."""
+    fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces and ')'
+    return sum(int(x) for x in fields[11:15]) / ticks_per_s  # field 3 (state) is fields[0]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its reaped children (a role's sandbox processes); 0.0 once it is gone."""
+    try:
+        return cpu_seconds_from_stat(Path(f"/proc/{pid}/stat").read_text())
+    except OSError:
+        return 0.0
+
+
+def us_per_sample(cpu_s: dict[str, float], samples: int) -> dict[str, float | None]:
+    """CPU microseconds per sample for each role (None when no sample was counted)."""
+    return {role: (round(s * 1e6 / samples, 1) if samples > 0 else None) for role, s in cpu_s.items()}
+
+
+def ratio_stats(sync_s: list[float], async_s: list[float]) -> dict[str, Any]:
+    """Per-round sync/async ratios (how many times faster async reached the target), mean and 95% interval."""
+    if len(sync_s) != len(async_s) or not sync_s:
+        raise ValueError(f"need as many sync as async times, at least one: {len(sync_s)} vs {len(async_s)}")
+    ratios = [s / a for s, a in zip(sync_s, async_s)]
+    return {"per_round": [round(r, 3) for r in ratios], "mean": round(sum(ratios) / len(ratios), 3),
+            "ci95": ci95(ratios, digits=3)}
+
+
+# -- one cluster run ---------------------------------------------------------------------------------
+
+@dataclass
+class RunResult:
+    mode: str
+    servers: int
+    staleness: int
+    batch_size: int
+    seconds_to_target: float | None
+    trained: int
+    window_s: float
+    samples_per_s: float
+    cpu_s: dict[str, float]
+    sim_cpu_s: float
+    """CPU of the simulated servers' process (not the engine's)."""
+    learner: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        return {"mode": self.mode, "servers": self.servers, "staleness": self.staleness, "batch_size": self.batch_size,
+                "seconds_to_target": self.seconds_to_target, "trained": self.trained,
+                "window_s": round(self.window_s, 2), "samples_per_s": round(self.samples_per_s, 3),
+                "engine_us_per_sample": us_per_sample(self.cpu_s, self.trained),
+                "sim_servers_us_per_sample": us_per_sample({"sim": self.sim_cpu_s}, self.trained)["sim"],
+                "dropped_stale": self.learner.get("dropped_stale"), "filtered": self.learner.get("filtered")}
+
+
+def cluster_config(namespace: str, bootstrap: str, nats_url: str, work: Path, model_dir: Path, urls: list[str],
+                   plan: Plan, *, staleness: int, batch_size: int) -> dict[str, Any]:
+    from loadtests._cluster import pipeline_config
+
+    in_flight = (staleness + 1) * batch_size
+    cfg = pipeline_config(namespace, bootstrap, nats_url, work, model_dir, max_tasks=None, batch_size=batch_size,
+                          group_size=plan.group_size, max_staleness=staleness, group_timeout_s=300.0)
+    cfg["kafka"]["default_partitions"] = 4
+    cfg["inference"].update(backend="sglang", urls=urls, max_new_tokens=max(1, 16384 // plan.token_scale),
+                            concurrency=max(in_flight, plan.group_size), request_timeout_s=600.0,
+                            weight_sync_timeout_s=120.0, stream_interval=64)
+    cfg["sandbox"].update(pool_size=4, max_sandboxes=32)
+    cfg["learner"].update(checkpoint_every=20, simulate={
+        "gpu": GPU, "gpus": 8, "model_params": 7.6e9, "mfu": 0.4, "peak_flops": 989e12, "bytes_per_param": 2,
+        "transfer_bytes_per_s": 25e9, "time_scale": plan.time_scale, "response_token_scale": float(plan.token_scale)})
+    return cfg
+
+
+def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: str, servers: int, staleness: int,
+                batch_size: int, target: int | None, window_s: float | None, log: Any = print) -> RunResult:
+    """Start the sim host and every role; measure from the scheduler's start until ``target`` trained samples
+    (or, with ``window_s``, over that many seconds after the first trained batch)."""
+    from loadtests._cluster import RoleProc, write_toml
+
+    run_dir = work / f"{mode}-{servers}-{int(time.time() * 1000) % 10**8}"
+    run_dir.mkdir(parents=True)
+    sims = SimHost(servers, plan, run_dir)
+    procs: dict[str, RoleProc] = {}
+    try:
+        urls = sims.start()
+        cfg = cluster_config(f"fleet-{run_dir.name}", stack.infra.kafka_bootstrap, stack.infra.nats_url, run_dir,
+                             model_dir, urls, plan, staleness=staleness, batch_size=batch_size)
+        config = write_toml(cfg, run_dir / "cluster.toml")
+        for role in ROLES:
+            procs[role] = RoleProc(role, role, config, run_dir)
+        for role in ROLES[1:]:  # the scheduler last: nothing is admitted before every role is up
+            procs[role].start()
+        for role in ROLES[1:]:
+            procs[role].wait_ready()
+        procs["scheduler"].start()
+        procs["scheduler"].wait_ready()
+        started = time.monotonic()
+        cpu0 = {r: process_cpu_s(p.pid or 0) for r, p in procs.items()}
+        assert sims.proc is not None
+        sim0 = process_cpu_s(sims.proc.pid)
+        trained0, t0, last = 0, started, 0
+        stats: dict[str, Any] = {}
+        deadline = started + (window_s or 0) + 600.0
+        while True:
+            stats = procs["learner"].status().get("learner") or stats
+            trained = int(stats.get("trained", 0))
+            now = time.monotonic()
+            if window_s is not None and trained0 == 0 and trained > 0:
+                # the window runs from one learner step to another: it opens at the first one (pipeline full)
+                trained0, t0 = trained, now
+                cpu0 = {r: process_cpu_s(p.pid or 0) for r, p in procs.items()}
+                sim0 = process_cpu_s(sims.proc.pid)
+            if target is not None and trained >= target:
+                break
+            # ... and closes at the first step after window_s, with at least two steps inside
+            if (window_s is not None and trained0 and trained != last and now - t0 >= window_s
+                    and trained - trained0 >= 2 * batch_size):
+                break
+            last = trained
+            if now > deadline:
+                raise TimeoutError(f"{mode} on {servers} servers: {trained} trained after {now - started:.0f}s")
+            for r, p in procs.items():
+                if not p.alive():
+                    raise RuntimeError(f"{r} exited (rc {p.proc and p.proc.returncode}); see {p.log_path}")
+            time.sleep(0.25)
+        end = time.monotonic()
+        cpu = {r: process_cpu_s(p.pid or 0) - cpu0[r] for r, p in procs.items()}
+        sim_cpu = process_cpu_s(sims.proc.pid) - sim0
+        counted = trained - trained0
+        span = end - (t0 if window_s is not None else started)
+        result = RunResult(mode, servers, staleness, batch_size, round(end - started, 2) if target else None,
+                           counted, span, counted / span if span > 0 else 0.0, cpu, sim_cpu, stats)
+        log(f"  {mode:<6} servers {servers:>3} S={staleness} batch {batch_size:>4}: {counted} trained in {span:.1f}s "
+            f"({result.samples_per_s:.2f}/s), stale-dropped {stats.get('dropped_stale')}")
+        return result
+    finally:
+        for p in procs.values():  # every role drains at once, then each is waited for
+            if p.alive() and p.proc is not None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            p.terminate(timeout_s=20.0)
+        sims.stop()
+
+
+# -- calibration -------------------------------------------------------------------------------------
+
+def calibration(model_dir: Path | None, quick: bool, work: Path) -> dict[str, Any]:
+    if model_dir is None or not (model_dir / "config.json").exists():
+        return {"calibration_error": None, "calibration_note": f"no model directory at {model_dir}: not calibrated"}
+    out = work / "calibration.json"
+    argv = [sys.executable, "-m", "actors.inference.sim.calibrate", "--model-dir", str(model_dir), "--json", str(out)]
+    if quick:
+        argv += ["--quick", "--repeats", "2"]
+    proc = subprocess.run(argv, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 or not out.exists():
+        return {"calibration_error": None, "calibration_note": f"calibration failed: {proc.stderr[-500:]}"}
+    result = json.loads(out.read_text())
+    return {"calibration_error": round(result["calibration_error"], 4), "calibration_fit_error": result["fit_error"],
+            "calibration_model_dir": str(model_dir),
+            "calibration_note": "roofline forms fitted to the local engine's measured prefill and decode times "
+                                "(real model, this CPU); mean relative error of the worse fit"}
+
+
+# -- the benchmark -----------------------------------------------------------------------------------
+
+def run(plan: Plan, work: Path, model_dir: Path | None, *, log: Any = print) -> dict[str, Any]:
+    from actors.llm import write_tiny_model_dir
+    from loadtests._cluster import Stack
+
+    tiny = write_tiny_model_dir(work / "tiny-model")  # the inference actor's tokenizer; the sim learner's model
+    out: dict[str, Any] = {
+        "simulated": True, "gpu": GPU, "model": MODEL,
+        "assumptions": {"inference": f"{GPU} roofline (989e12 bf16 FLOP/s at MFU 0.4, 3.35e12 B/s HBM at 0.7, 2 ms "
+                                     f"step overhead, weight update 15.2 GB at 25 GB/s), {MODEL} bf16",
+                        "learner": f"8 x {GPU}, 6 x 7.6e9 x tokens / (8 x 989e12 x 0.4); publication 15.2 GB at 25 GB/s",
+                        "lengths": "lognormal median 1500, sigma 0.9, cap 16384 tokens (assumed long tail, "
+                                   "LengthModel defaults; not a fit to a published run)"},
+        "token_scale": plan.token_scale, "time_scale": plan.time_scale, "staleness": plan.staleness,
+        "batch_size": plan.batch_size, "group_size": plan.group_size, "cpus": os.cpu_count(),
+        "cpu_time_method": "utime+stime+cutime+cstime of each role's process (/proc/<pid>/stat), over the window, "
+                           "per trained sample",
+    }
+    stack = Stack(work)
+    stack.start()
+    try:
+        # 1. async against sync
+        target = plan.target_steps * plan.batch_size
+        sync_s: list[float] = []
+        async_s: list[float] = []
+        pairs: list[dict[str, Any]] = []
+        log(f"async (S={plan.staleness}) vs sync (S=0): time to {target} trained samples on {plan.servers} "
+            f"simulated servers, {plan.rounds} rounds")
+        for r in range(plan.rounds):
+            order = [("sync", 0), ("async", plan.staleness)]
+            res: dict[str, RunResult] = {}
+            for mode, s in (order if r % 2 == 0 else order[::-1]):
+                res[mode] = run_cluster(stack, work, tiny, plan, mode=mode, servers=plan.servers, staleness=s,
+                                        batch_size=plan.batch_size, target=target, window_s=None, log=log)
+            assert res["sync"].seconds_to_target and res["async"].seconds_to_target
+            sync_s.append(res["sync"].seconds_to_target)
+            async_s.append(res["async"].seconds_to_target)
+            pairs.append({"round": r, "first": "sync" if r % 2 == 0 else "async",
+                          "sync": res["sync"].row(), "async": res["async"].row()})
+        stats = ratio_stats(sync_s, async_s)
+        out.update({"target_trained_samples": target, "async_vs_sync_servers": plan.servers,
+                    "async_over_sync": stats["mean"], "async_over_sync_ci95": stats["ci95"],
+                    "async_over_sync_per_round": stats["per_round"], "async_vs_sync_runs": pairs,
+                    "partial_rollouts_over_none": None, "partial_rollouts_note": PARTIAL_ROLLOUTS_NULL_REASON})
+        # 3. fleet growth
+        growth: list[dict[str, Any]] = []
+        log(f"fleet growth: async S={plan.staleness}, batch {plan.batch_size} x servers up to {plan.fleet_batch_cap}, "
+            f"window >= {plan.window_s:.0f}s and 2 steps")
+        for n in plan.fleet:
+            res1 = run_cluster(stack, work, tiny, plan, mode="fleet", servers=n, staleness=plan.staleness,
+                               batch_size=min(plan.batch_size * n, plan.fleet_batch_cap), target=None, window_s=plan.window_s, log=log)
+            growth.append(res1.row())
+        best = max(growth, key=lambda g: g["samples_per_s"])
+        out.update({"fleet": growth, "max_samples_per_s": best["samples_per_s"],
+                    "max_samples_per_s_servers": best["servers"], "engine_us_per_sample": best["engine_us_per_sample"]})
+    finally:
+        stack.stop()
+    # 4. calibration (after the clusters: it wants the CPUs to itself)
+    if plan.calibrate:
+        log("calibration: sim roofline fitted to the local engine on the real model")
+        out.update(calibration(model_dir, plan.quick, work))
+    else:
+        out.update({"calibration_error": None, "calibration_note": "skipped (--no-calibration)"})
+    return out
+
+
+def print_results(out: dict[str, Any]) -> None:
+    print(f"\nSIMULATED fleet: {out['gpu']} serving {out['model']}; 1 synthetic token = {out['token_scale']} tokens; "
+          f"time scale {out['time_scale']}")
+    print(f"\n{'round':<6}{'first':>6}{'sync s':>9}{'async s':>9}{'ratio':>8}")
+    for p, ratio in zip(out["async_vs_sync_runs"], out["async_over_sync_per_round"]):
+        print(f"{p['round']:<6}{p['first']:>6}{p['sync']['seconds_to_target']:>9.1f}"
+              f"{p['async']['seconds_to_target']:>9.1f}{ratio:>8.2f}")
+    ci = out["async_over_sync_ci95"]
+    print(f"async_over_sync (time to {out['target_trained_samples']} trained samples): {out['async_over_sync']}x"
+          + (f" (95% interval {ci[0]}..{ci[1]})" if ci else ""))
+    partial = out["partial_rollouts_over_none"]
+    print(f"partial rollouts vs none: {'null' if partial is None else partial} ({out['partial_rollouts_note']})")
+    print(f"\n{'servers':>8}{'batch':>7}{'samples/s':>11}" + "".join(f"{r + ' us':>14}" for r in ROLES)
+          + f"{'(sim servers us)':>18}")
+    for g in out["fleet"]:
+        us = g["engine_us_per_sample"]
+        print(f"{g['servers']:>8}{g['batch_size']:>7}{g['samples_per_s']:>11.2f}"
+              + "".join(f"{'-' if us[r] is None else f'{us[r]:.0f}':>14}" for r in ROLES)
+              + f"{g['sim_servers_us_per_sample'] or 0:>18.0f}")
+    print(f"max_samples_per_s: {out['max_samples_per_s']} (at {out['max_samples_per_s_servers']} servers)")
+    err = out["calibration_error"]
+    print(f"calibration_error: {'null' if err is None else f'{err:.1%}'} ({out['calibration_note']})")
+
+
+def plot(out: dict[str, Any], path: Path) -> bool:
+    """Samples/s and CPU microseconds per sample per role against the fleet size; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fleet = out["fleet"]
+    xs = [g["servers"] for g in fleet]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(xs, [g["samples_per_s"] for g in fleet], "o-")
+    a.set(xscale="log", xlabel="simulated servers", ylabel="trained samples / s (wall)",
+          title="SIMULATED fleet: throughput the engine holds")
+    a.set_ylim(bottom=0)
+    for r in ROLES:
+        b.plot(xs, [g["engine_us_per_sample"][r] or 0 for g in fleet], "o-", label=r)
+    b.set(xscale="log", yscale="log", xlabel="simulated servers", ylabel="CPU us per trained sample",
+          title="engine CPU per sample, by role")
+    b.legend()
+    for ax in (a, b):
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="2 rounds of 6 steps at time scale 0.15, fleet of 1 and 4 servers")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write the fleet-growth PNG here (needs matplotlib)")
+    p.add_argument("--rounds", type=int, help="async/sync pairs (default 3; 2 with --quick)")
+    p.add_argument("--fleet", help="comma-separated server counts (default 1,4,16,64; 1,4 with --quick)")
+    p.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR), help="real model for the calibration")
+    p.add_argument("--no-calibration", action="store_true")
+    # the sim host subprocess
+    p.add_argument("--sim-host", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--token-scale", type=int, default=Plan.token_scale, help=argparse.SUPPRESS)
+    p.add_argument("--time-scale", type=float, default=Plan.time_scale, help=argparse.SUPPRESS)
+    p.add_argument("--urls-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the role processes, sim servers, broker and nats-server are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.sim_host is not None:
+        if args.sim_host < 1 or not args.urls_file:
+            p.error("--sim-host N needs N >= 1 and --urls-file")
+        asyncio.run(_serve_sims(args.sim_host, args.token_scale, args.time_scale, Path(args.urls_file)))
+        return 0
+    plan = Plan.quick_plan() if args.quick else Plan()
+    if args.rounds is not None:
+        if args.rounds < 1:
+            p.error(f"--rounds must be >= 1, got {args.rounds}")
+        plan = Plan(**{**plan.__dict__, "rounds": args.rounds})
+    if args.fleet:
+        try:
+            sizes = tuple(int(x) for x in args.fleet.split(","))
+        except ValueError:
+            p.error(f"--fleet: comma-separated server counts, got {args.fleet!r}")
+        if not sizes or min(sizes) < 1:
+            p.error(f"--fleet: server counts must be >= 1, got {args.fleet!r}")
+        plan = Plan(**{**plan.__dict__, "fleet": sizes})
+    if args.no_calibration:
+        plan = Plan(**{**plan.__dict__, "calibrate": False})
+    with tempfile.TemporaryDirectory(prefix="rollout-fleet-") as tmp:
+        out = run(plan, Path(tmp), Path(args.model_dir) if args.model_dir else None)
+    out["quick"] = args.quick
+    print_results(out)
+    if args.plot and plot(out, Path(args.plot)):
+        out["plot"] = args.plot
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
