@@ -63,7 +63,7 @@ class LocalServer:
                  max_batch: int = 64, chunk_size: int = 512, torch_threads: int = 1,
                  startup_timeout_s: float = 120.0, api_key: str | None = None, dtype: str = "fp32",
                  prefix_cache_tokens: int = 8192, attention_window: int | None = None,
-                 attention_sinks: int = 0, prefix_cache_int8_tokens: int = 0) -> None:
+                 attention_sinks: int = 0, prefix_cache_int8_tokens: int = 0, backend: str = "local") -> None:
         self.model_dir = str(model_dir)
         self.api_key = api_key
         self.log_path = Path(log_path)
@@ -73,6 +73,7 @@ class LocalServer:
         self.dtype = dtype
         self.prefix_cache_tokens = prefix_cache_tokens
         self.prefix_cache_int8_tokens = prefix_cache_int8_tokens
+        self.backend = backend
         self.attention_window = attention_window
         self.attention_sinks = attention_sinks
         self.torch_threads = torch_threads
@@ -91,7 +92,7 @@ class LocalServer:
                 "--weight-version", self.weight_version, "--max-batch", str(self.max_batch),
                 "--chunk-size", str(self.chunk_size), "--torch-threads", str(self.torch_threads),
                 "--dtype", self.dtype, "--prefix-cache-tokens", str(self.prefix_cache_tokens),
-                "--prefix-cache-int8-tokens", str(self.prefix_cache_int8_tokens)]
+                "--prefix-cache-int8-tokens", str(self.prefix_cache_int8_tokens), "--backend", self.backend]
         if self.attention_window is not None:
             argv += ["--attention-window", str(self.attention_window), "--attention-sinks", str(self.attention_sinks)]
         env = dict(os.environ)
@@ -166,6 +167,14 @@ def launch_local(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalS
                        prefix_cache_int8_tokens=cfg.prefix_cache_int8_tokens)
 
 
+def launch_sim(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalServer:
+    """The `sim` backend's embedded server: SIMULATED timing and synthetic tokens over the model's tokenizer
+    and config (docs/fleet.md); the protocol, weight updates and versions are the real server's."""
+    return LocalServer(model_dir, log_path=run_dir / "logs" / "inference-server.log", max_batch=cfg.max_batch,
+                       api_key=cfg.resolved_api_key(), backend="sim")
+
+
 register_inference_backend("local", launch_local, description="the embedded torch server of this project")
+register_inference_backend("sim", launch_sim, description="SIMULATED accelerator timing over the SGLang protocol (docs/fleet.md)")
 register_inference_backend("sglang", None, needs_model_dir=True,
                            description="external SGLang servers or a router (inference.urls)")

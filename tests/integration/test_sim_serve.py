@@ -51,3 +51,30 @@ def test_sim_backend_serves_the_sglang_protocol() -> None:
         proc.stdout.close()
         proc.stderr.close()
     assert "SIMULATED inference server" in err
+
+
+def test_sim_is_a_registered_backend_a_deployment_can_launch(tmp_path: Path) -> None:
+    import anyio
+
+    from actors.inference.backends import inference_backend
+    from actors.inference.sglang_client import SGLangClient
+    from actors.llm import build_char_tokenizer, build_tiny_model, save_model_dir, tiny_config
+    from engine.config import InferenceConfig
+
+    tok = build_char_tokenizer()
+    model_dir = tmp_path / "model"
+    save_model_dir(build_tiny_model(tiny_config(len(tok)), seed=0), tok, model_dir)
+    launch = inference_backend("sim").launch
+    assert launch is not None
+
+    async def main() -> tuple[dict, str]:
+        async with launch(InferenceConfig(backend="sim"), model_dir, tmp_path / "run") as url:
+            async with SGLangClient([url], timeout=30) as client:
+                result = await client.generate(text="hi", sampling_params={"max_new_tokens": 8})
+                info = _get(url + "/model_info")
+                return info, result.text
+    info, text = anyio.run(main)
+    assert info["model_type"] == "simulated"
+    assert isinstance(text, str)
+    log = (tmp_path / "run" / "logs" / "inference-server.log").read_text()
+    assert "SIMULATED inference server" in log
