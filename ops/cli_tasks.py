@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.tasks import UserTask
+    from engine.tasks import TaskFile, UserTask
 
 DEFAULT_MODEL = Path.home() / ".cache" / "rollout-engine" / "models" / "smollm2-135m-instruct"
 
@@ -57,22 +57,23 @@ def _mapping(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, command: str) -> "TaskFile | None":
+    """The task file, or None after printing its first error as ``rollout tasks COMMAND: ...``."""
     from actors.domains import DOMAINS
-    from engine.tasks import TaskFile
+    from engine.tasks import TaskFile, TaskFileError
 
-    return TaskFile(args.file, known_domains=DOMAINS, default_domain=args.domain, mapping=_mapping(args.map))
+    try:
+        return TaskFile(args.file, known_domains=DOMAINS, default_domain=args.domain, mapping=_mapping(args.map))
+    except TaskFileError as exc:
+        print(f"rollout tasks {command}: {exc}", file=sys.stderr)
+        return None
 
 
 def _validate(args: argparse.Namespace) -> int:
     from collections import Counter
 
-    from engine.tasks import TaskFileError
-
-    try:
-        tf = _load(args)
-    except TaskFileError as exc:
-        print(f"rollout tasks validate: {exc}", file=sys.stderr)
+    tf = _load(args, "validate")
+    if tf is None:
         return 1
     per_domain = Counter(t.domain for t in tf.tasks)
     print(f"{tf.path}: {len(tf.tasks)} tasks OK ({', '.join(f'{d} {n}' for d, n in sorted(per_domain.items()))})")
@@ -80,12 +81,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _preview(args: argparse.Namespace) -> int:
-    from engine.tasks import TaskFileError
-
-    try:
-        tf = _load(args)
-    except TaskFileError as exc:
-        print(f"rollout tasks preview: {exc}", file=sys.stderr)
+    tf = _load(args, "preview")
+    if tf is None:
         return 1
     from transformers import AutoTokenizer
 
@@ -102,13 +99,10 @@ def _publish(args: argparse.Namespace) -> int:
     import anyio
 
     from engine.config import ConfigError, load_config
-    from engine.tasks import TaskFileError
     from streams.protocols import TransportError
 
-    try:
-        tf = _load(args)
-    except TaskFileError as exc:
-        print(f"rollout tasks publish: {exc}", file=sys.stderr)
+    tf = _load(args, "publish")
+    if tf is None:
         return 1
     try:
         cfg = load_config(args.config)

@@ -105,6 +105,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def _longest(entries: "OrderedDict[int, _Entry] | OrderedDict[int, _Int8Entry]", tokens: list[int], limit: int,
+             epoch: int, floor: int) -> tuple[int, int | None]:
+    """The entry of ``epoch`` sharing the longest prefix with ``tokens`` (capped at ``limit``) beyond ``floor``."""
+    best, best_id = floor, None
+    for key, entry in entries.items():
+        if entry.epoch != epoch:
+            continue
+        n = min(common_prefix(tokens, entry.tokens), limit)
+        if n > best:
+            best, best_id = n, key
+    return best, best_id
+
+
 class PrefixCache:
     """A token-prefix -> KV store bounded in tokens, LRU-evicted; see the module docstring."""
 
@@ -138,20 +151,8 @@ class PrefixCache:
         if not (self._entries or self._cold) or limit < 1:
             return 0, None
         self._lookups += 1
-        best, best_id = 0, None
-        for key, entry in self._entries.items():
-            if entry.epoch != epoch:
-                continue
-            n = min(common_prefix(tokens, entry.tokens), limit)
-            if n > best:
-                best, best_id = n, key
-        cold_best, cold_id = best, None
-        for key, cold in self._cold.items():
-            if cold.epoch != epoch:
-                continue
-            n = min(common_prefix(tokens, cold.tokens), limit)
-            if n > cold_best:
-                cold_best, cold_id = n, key
+        best, best_id = _longest(self._entries, tokens, limit, epoch, 0)
+        cold_best, cold_id = _longest(self._cold, tokens, limit, epoch, best)
         if cold_id is not None and cold_best >= self.min_tokens:
             return cold_best, self._promote(cold_id, cold_best)
         if best_id is None or best < self.min_tokens:
