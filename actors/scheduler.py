@@ -280,8 +280,10 @@ class JsonlSource:
 class TaskFileSource:
     """Tasks from a user's task file (:mod:`engine.tasks`), this replica's shard, each issued once.
 
-    ``position`` counts the tasks issued; the scheduler stores it in its status (NATS KV) and restores
-    it on restart, so a restart continues where the last stored status left off.
+    ``position`` counts the tasks issued; the scheduler stores it in its status (NATS KV) with the
+    tasks topic's offsets at that moment and, on restart, restores it and then reads the tasks topic from
+    those offsets: rows issued after the last status (a crash between a publication and the next status
+    write) are found by their ``spec.task_file`` / ``task_file_id`` and not issued again, and none is skipped.
     """
 
     def __init__(self, path: str | Path, *, mapping: dict[str, str] | None = None, replica: int = 0,
@@ -294,13 +296,22 @@ class TaskFileSource:
         self.tasks = shard(TaskFile(self.path, known_domains=DOMAINS, mapping=mapping).tasks, replica, replicas)
         self.position = 0
 
+    def skip_issued(self, row_ids: list[str]) -> int:
+        """Move past rows found already issued (ids of this shard); returns how many were past ``position``."""
+        index = {t.id: i for i, t in enumerate(self.tasks)}
+        found = sorted(index[r] for r in set(row_ids) if r in index)
+        beyond = sum(i >= self.position for i in found)
+        if found:
+            self.position = max(self.position, found[-1] + 1)
+        return beyond
+
     def next(self, difficulty: float) -> SourcedTask | None:
         if self.position >= len(self.tasks):
             return None
         task = self.tasks[self.position]
         self.position += 1
         domain = DOMAINS[task.domain]
-        spec = dict(task.spec, task_file_id=task.id)
+        spec = dict(task.spec, task_file_id=task.id, task_file=self.name)
         return SourcedTask(domain=task.domain, prompt=task.prompt, spec=spec,
                            max_turns=task.max_turns or domain.turns(spec), stop=domain.stop,
                            max_new_tokens=domain.max_new_tokens)
@@ -353,6 +364,8 @@ class SchedulerActor(Actor):
         self.blocked_waits = 0
         self.done = False
         self._status_written: int | None = None
+        self._tasks_offsets: dict[int, int] = {}
+        """Next offset per partition of ``rollout.tasks`` after this scheduler's acknowledged tasks."""
         self._published: deque[Any] = deque()
         self._published_record: Any = None
         """Records of ``rollout.tasks.published`` received and not yet issued."""
@@ -369,10 +382,36 @@ class SchedulerActor(Actor):
                 source = self.sources.get(name)
                 if isinstance(source, TaskFileSource):
                     source.position = int(position)
+            self._tasks_offsets = {int(p): int(o) for p, o in status.get("tasks_offsets", {}).items()}
             log.info("%s: resuming at %d tasks / %d samples admitted", self.name, self.tasks_admitted,
                      self.admitted_samples)
+        await self._skip_issued_rows()
         self.learner = LearnerStatus.from_json(await self.rt.require_nats().kv_get(self._bucket,
                                                                                     Names.LEARNER_VERSION_KEY))
+
+    async def _skip_issued_rows(self) -> None:
+        """Task-file rows on the tasks topic past the last status (issued, status not yet written): skip them."""
+        files = {n: s for n, s in self.sources.items() if isinstance(s, TaskFileSource)}
+        if not files:
+            return
+        issued: dict[str, list[str]] = {n: [] for n in files}
+        group_sizes: dict[tuple[str, str], int] = {}
+        for _, _, msg in await self.rt.event_log.read_since(self.names.tasks, self._tasks_offsets,
+                                                           expect=(Task.SCHEMA,)):
+            assert isinstance(msg, Task)
+            source, row = msg.spec.get("task_file"), msg.spec.get("task_file_id")
+            if isinstance(source, str) and source in issued and isinstance(row, str):
+                issued[source].append(row)
+                group_sizes[(source, row)] = msg.group_size
+        for name, rows in issued.items():
+            before = files[name].position
+            beyond = files[name].skip_issued(rows)
+            if beyond:
+                self.tasks_admitted += beyond
+                self.admitted_samples += sum(group_sizes[(name, r.id)] for r in files[name].tasks[before:files[name].position]
+                                             if (name, r.id) in group_sizes)
+                log.warning("%s: %d row(s) of %s were issued after the last stored status; not issuing them again",
+                            self.name, beyond, name)
 
     async def serve(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -445,11 +484,13 @@ class SchedulerActor(Actor):
                                                   headers=tracing.trace_headers(span))
         return fut
 
-    @staticmethod
-    async def _settle(pending: list[Any]) -> None:
-        """Wait until every task sent so far is acknowledged by the broker."""
+    async def _settle(self, pending: list[Any]) -> None:
+        """Wait until every task sent so far is acknowledged by the broker; note where they landed."""
         for fut in pending:
-            await fut
+            meta = await fut
+            partition, offset = getattr(meta, "partition", None), getattr(meta, "offset", None)
+            if isinstance(partition, int) and isinstance(offset, int):
+                self._tasks_offsets[partition] = max(self._tasks_offsets.get(partition, 0), offset + 1)
         pending.clear()
 
     async def _consume_published(self) -> None:
@@ -578,6 +619,7 @@ class SchedulerActor(Actor):
                                for s in self.sources.values() if s.domain},
                 "length_curriculum": self.length_curriculum.state() if self.length_curriculum else {},
                 "source_positions": {n: s.position for n, s in self.sources.items() if isinstance(s, TaskFileSource)},
+                "tasks_offsets": {str(p): o for p, o in sorted(self._tasks_offsets.items())},
                 "published_issued": self.published_issued,
                 "updated_at": time.time()}
 

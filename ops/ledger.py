@@ -138,49 +138,14 @@ def read_topic(cfg: EngineConfig, topic: str, *, timeout_s: float = 60.0) -> Ite
 
     Yields ``TopicRecord``, or ``(partition, offset, reason)`` for a record that does not decode.
     """
-    import time
+    from streams.codec import DecodeError
+    from streams.kafka import read_range
 
-    from kafka import KafkaConsumer, TopicPartition
-
-    from streams.codec import DecodeError, decode
-    from engine.config import check_files
-    from streams.kafka import client_security
-
-    check_files(cfg.kafka)
-    consumer = KafkaConsumer(bootstrap_servers=cfg.kafka.bootstrap, group_id=None, enable_auto_commit=False,
-                             client_id="rollout-ledger", auto_offset_reset="earliest",
-                             fetch_max_bytes=max(52428800, cfg.kafka.max_record_bytes * 2),
-                             max_partition_fetch_bytes=max(1048576, cfg.kafka.max_record_bytes + 65536),
-                             **client_security(cfg.kafka))
-    try:
-        parts = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        if not tps:
-            return
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        todo = {tp for tp in tps if ends[tp] > 0}
-        deadline = time.monotonic() + timeout_s
-        while todo:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {topic}: partitions {sorted(tp.partition for tp in todo)} "
-                                   f"not read to their end within {timeout_s}s")
-            for tp, records in consumer.poll(timeout_ms=500).items():
-                for r in records:
-                    if r.offset >= ends[tp]:
-                        continue
-                    try:
-                        env = decode(r.value, max_bytes=cfg.kafka.max_record_bytes)
-                    except DecodeError as exc:
-                        yield (tp.partition, r.offset, exc.reason)
-                        continue
-                    yield TopicRecord(tp.partition, r.offset, env.id, env.message)
-            for tp in list(todo):
-                if consumer.position(tp) >= ends[tp]:
-                    todo.discard(tp)
-    finally:
-        consumer.close(autocommit=False)
+    for partition, offset, env in read_range(cfg.kafka, topic, timeout_s=timeout_s, client_id="rollout-ledger"):
+        if isinstance(env, DecodeError):
+            yield (partition, offset, env.reason)
+        else:
+            yield TopicRecord(partition, offset, env.id, env.message)
 
 
 # -- the ledger ------------------------------------------------------------------------------------

@@ -615,3 +615,48 @@ class Consumer:
 # re-exported here, where callers have always imported them from.
 __all__ = ["HEADER_MESSAGE_ID", "HEADER_TRACEPARENT", "Consumer", "DeadLetterSink", "Producer", "Record", "RecordMetadata",
            "StreamError", "client_security", "ensure_topics", "kafka_reason"]
+
+
+def read_range(cfg: KafkaConfig, topic: str, start_offsets: dict[int, int] | None = None, *,
+               timeout_s: float = 60.0, client_id: str = "rollout-reader") -> Iterable[tuple[int, int, Envelope | DecodeError]]:
+    """Every record of ``topic`` from ``start_offsets`` (partition -> offset; 0 where absent) up to the end
+    offsets at call time, as ``(partition, offset, envelope or DecodeError)``. Blocking: call it in a thread.
+
+    No consumer group: reading commits nothing and disturbs no one. TimeoutError when a partition is not
+    read to its end within ``timeout_s``.
+    """
+    check_files(cfg)
+    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap, group_id=None, enable_auto_commit=False,
+                             client_id=client_id, auto_offset_reset="earliest",
+                             fetch_max_bytes=max(52428800, cfg.max_record_bytes * 2),
+                             max_partition_fetch_bytes=max(1048576, cfg.max_record_bytes + 65536),
+                             **client_security(cfg))
+    try:
+        parts = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        if not tps:
+            return
+        consumer.assign(tps)
+        ends = consumer.end_offsets(tps)
+        starts = start_offsets or {}
+        for tp in tps:
+            consumer.seek(tp, min(max(0, starts.get(tp.partition, 0)), ends[tp]))
+        todo = {tp for tp in tps if ends[tp] > consumer.position(tp)}
+        deadline = time.monotonic() + timeout_s
+        while todo:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic}: partitions {sorted(tp.partition for tp in todo)} "
+                                   f"not read to their end within {timeout_s}s")
+            for tp, records in consumer.poll(timeout_ms=500).items():
+                for r in records:
+                    if r.offset >= ends[tp]:
+                        continue
+                    try:
+                        yield tp.partition, r.offset, decode(r.value, max_bytes=cfg.max_record_bytes)
+                    except DecodeError as exc:
+                        yield tp.partition, r.offset, exc
+            for tp in list(todo):
+                if consumer.position(tp) >= ends[tp]:
+                    todo.discard(tp)
+    finally:
+        consumer.close(autocommit=False)

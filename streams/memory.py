@@ -97,6 +97,18 @@ class MemoryEventLog:
         with anyio.move_on_after(timeout_s):
             await self._appended.wait()
 
+    async def read_since(self, topic: str, start_offsets: dict[int, int], *,
+                         expect: tuple[str, ...]) -> list[tuple[int, int, Message]]:
+        out = []
+        for partition, records in enumerate(self.topics.get(topic, [])):
+            for offset in range(max(0, start_offsets.get(partition, 0)), len(records)):
+                try:
+                    env = decode(records[offset].value, max_bytes=self.max_record_bytes, expect=expect)
+                except DecodeError:
+                    continue
+                out.append((partition, offset, env.message))
+        return out
+
     def messages(self, topic: str) -> list[Message]:
         """Every decodable message of ``topic`` in partition order (for assertions)."""
         return [decode(r.value, max_bytes=self.max_record_bytes).message

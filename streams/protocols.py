@@ -108,6 +108,13 @@ class EventLog(Protocol):
     def consumer(self, *, topics: list[str], group: str, expect: tuple[str, ...], dead_letters: EventProducer,
                  dlq_topic: str, client_id: str, **kw: Any) -> EventConsumer: ...
 
+    async def read_since(self, topic: str, start_offsets: dict[int, int], *,
+                         expect: tuple[str, ...]) -> list[tuple[int, int, Message]]:
+        """``(partition, offset, message)`` of every record of ``topic`` from ``start_offsets`` (partition ->
+        offset, 0 where absent) to the end at call time; records that do not decode as ``expect`` are skipped.
+        No consumer group: reading commits nothing."""
+        ...
+
 
 @runtime_checkable
 class ControlStore(Protocol):

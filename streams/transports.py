@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
+
 from engine.config import KafkaConfig, NatsConfig
-from streams.kafka import Consumer, Producer, ensure_topics
+from engine.schemas import Message
+from streams.codec import DecodeError
+from streams.kafka import Consumer, Producer, ensure_topics, read_range
 from streams.nats import Nats
 from streams.protocols import ControlStore, EventProducer
 
@@ -33,6 +37,14 @@ class KafkaEventLog:
             raise TypeError(f"a Kafka consumer dead-letters through a Kafka producer, got {type(dead_letters).__name__}")
         return Consumer(self.cfg, topics=topics, group=group, expect=expect, dead_letters=dead_letters,
                         dlq_topic=dlq_topic, client_id=client_id, **kw)
+
+    async def read_since(self, topic: str, start_offsets: dict[int, int], *,
+                         expect: tuple[str, ...]) -> list[tuple[int, int, Message]]:
+        def read() -> list[tuple[int, int, Message]]:
+            return [(p, o, env.message) for p, o, env in read_range(self.cfg, topic, start_offsets)
+                    if not isinstance(env, DecodeError) and env.message.SCHEMA in expect]
+
+        return await anyio.to_thread.run_sync(read)
 
 
 def nats_store(cfg: NatsConfig) -> ControlStore:

@@ -54,3 +54,38 @@ async def test_task_file_rows_issued_once_across_a_restart(
             assert not await out.getmany(timeout_s=1.0)  # nothing beyond the six rows
     assert [t.spec["task_file_id"] for t in tasks] == [f"q{i}" for i in range(6)]
     assert all(t.domain == "math" and t.spec["answer"] == str(int(t.spec["task_file_id"][1:]) + 1) for t in tasks)
+
+
+async def test_rows_issued_after_the_last_status_are_not_issued_again(
+        kafka_bootstrap: str, nats_url: str, unique_name: str, tmp_path: Path) -> None:
+    """A scheduler killed between publishing tasks and writing its status: its successor reads the tasks
+    topic from the offsets of the last status and issues neither those rows again nor skips any."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "domain": "math", "prompt": f"What is {i} + 2?",
+                                        "answer": str(i + 2)}) + "\n" for i in range(6)))
+    first_cfg = _cfg(kafka_bootstrap, nats_url, unique_name, path, max_tasks=4)
+    async with Runtime(first_cfg) as rt:
+        with anyio.fail_after(30):
+            await SchedulerActor(rt).run()
+        bucket, store = rt.names.bucket(first_cfg.nats.kv_bucket), rt.require_nats()
+        saved = json.loads(await store.kv_get(bucket, SCHEDULER_STATUS_KEY) or b"{}")
+        assert saved["tasks_offsets"] == {"0": 4}
+        # the status as it was after the first task: three rows issued since were never recorded
+        stale = dict(saved, tasks_admitted=1, admitted_samples=1, source_positions={"file:mine.jsonl": 1},
+                     tasks_offsets={"0": 1})
+        await store.kv_put(bucket, SCHEDULER_STATUS_KEY, json.dumps(stale).encode())
+
+    again_cfg = _cfg(kafka_bootstrap, nats_url, unique_name, path, max_tasks=100)
+    async with Runtime(again_cfg) as rt:
+        actor = SchedulerActor(rt)
+        with anyio.fail_after(30):
+            await actor.run()
+        assert actor.done and actor.tasks_admitted == 6 and actor.admitted_samples == 6
+        tasks: list[Task] = []
+        out = Consumer(again_cfg.kafka, assign=[(rt.names.tasks, 0)], expect=(Task.SCHEMA,))
+        async with out:
+            with anyio.fail_after(30):
+                while len(tasks) < 6:
+                    tasks.extend(r.message for r in await out.getmany(timeout_s=0.2))
+            assert not await out.getmany(timeout_s=1.0)
+    assert [t.spec["task_file_id"] for t in tasks] == [f"q{i}" for i in range(6)]  # once each, in order

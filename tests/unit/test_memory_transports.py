@@ -203,3 +203,17 @@ async def test_the_runtime_opens_one_span_per_handled_record() -> None:
     (out,) = [r for part in log.topics[names.topic("completions")] for r in part]
     ctx = ok.context
     assert out.headers["traceparent"].decode() == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+
+
+async def test_read_since_reads_from_offsets_to_the_end_skipping_the_unexpected() -> None:
+    log = MemoryEventLog()
+    await log.ensure_topics({"t": 2})
+    producer = log.producer(producer_id="p")
+    for i in range(4):
+        fut, _ = producer.send_nowait("t", Task(task_id=f"t{i}", domain="math", prompt="x", spec={}), partition=i % 2)
+        await fut
+    log.append("t", StoredRecord(None, b"\xc1 not msgpack", {}, 0), partition=0)
+    got = await log.read_since("t", {0: 1}, expect=(Task.SCHEMA,))
+    assert [(p, o, m.task_id) for p, o, m in got] == [(0, 1, "t2"), (1, 0, "t1"), (1, 1, "t3")]
+    assert await log.read_since("t", {0: 9, 1: 2}, expect=(Task.SCHEMA,)) == []
+    assert await log.read_since("t", {}, expect=("outcome",)) == []
