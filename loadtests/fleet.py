@@ -26,9 +26,10 @@ Parts:
 1. async (``max_staleness`` S) against sync (0), same workload and fleet, ``rounds`` pairs alternating
    which goes first: time to N trained samples (from the scheduler's start, all roles ready); the ratio
    per round, its mean ``async_over_sync`` and 95% interval.
-2. partial rollouts (interrupt on weight update and resume) against none: the inference actor always
-   interrupts and resumes (``abort_all_requests`` then resume from the kept tokens); it has no mode without,
-   so there is nothing to compare against: ``null`` with the reason.
+2. partial rollouts (interrupt on weight update and resume: the default) against none
+   (``inference.partial_rollouts = false``: an update waits for the generations in flight to end and holds
+   new ones back), both async with the same bound, in the same rounds: ``partial_rollouts_over_none`` =
+   mean of (seconds without / seconds with) and its 95% interval.
 3. fleet growth: async runs on 1, 4, 16, 64 servers (batch 16 x servers, capped at 64: admitted samples
    grow with the fleet until then), measured from one learner step to another over >= ``window_s``:
    trained samples/s held over the measured window (``max_samples_per_s``: the best), and each role's CPU
@@ -61,9 +62,10 @@ GPU = "H100 SXM"
 MODEL = "Qwen2.5-7B"
 ROLES = ("scheduler", "inference", "sandbox", "reward", "learner")
 DEFAULT_MODEL_DIR = Path.home() / ".cache/rollout-engine/models/smollm2-135m-instruct"
-PARTIAL_ROLLOUTS_NULL_REASON = (
-    "the inference actor always interrupts generations on a weight update (abort_all_requests) and resumes them "
-    "from the kept tokens; it has no mode without partial rollouts to compare against")
+PARTIAL_ROLLOUTS_NOTE = (
+    "async, same staleness bound: time to the target with inference.partial_rollouts = false (a weight update "
+    "waits for the generations in flight and holds new ones) over the time with partial rollouts (interrupt, "
+    "resume on the new weights)")
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,7 @@ class RunResult:
 
 
 def cluster_config(namespace: str, bootstrap: str, nats_url: str, work: Path, model_dir: Path, urls: list[str],
-                   plan: Plan, *, staleness: int, batch_size: int) -> dict[str, Any]:
+                   plan: Plan, *, staleness: int, batch_size: int, partial_rollouts: bool = True) -> dict[str, Any]:
     from loadtests._cluster import pipeline_config
 
     in_flight = (staleness + 1) * batch_size
@@ -238,7 +240,7 @@ def cluster_config(namespace: str, bootstrap: str, nats_url: str, work: Path, mo
     cfg["kafka"]["default_partitions"] = 4
     cfg["inference"].update(backend="sglang", urls=urls, max_new_tokens=max(1, 16384 // plan.token_scale),
                             concurrency=max(in_flight, plan.group_size), request_timeout_s=600.0,
-                            weight_sync_timeout_s=120.0, stream_interval=64)
+                            weight_sync_timeout_s=120.0, stream_interval=64, partial_rollouts=partial_rollouts)
     cfg["sandbox"].update(pool_size=4, max_sandboxes=32)
     cfg["learner"].update(checkpoint_every=20, simulate={
         "gpu": GPU, "gpus": 8, "model_params": 7.6e9, "mfu": 0.4, "peak_flops": 989e12, "bytes_per_param": 2,
@@ -247,7 +249,8 @@ def cluster_config(namespace: str, bootstrap: str, nats_url: str, work: Path, mo
 
 
 def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: str, servers: int, staleness: int,
-                batch_size: int, target: int | None, window_s: float | None, log: Any = print) -> RunResult:
+                batch_size: int, target: int | None, window_s: float | None, log: Any = print,
+                partial_rollouts: bool = True) -> RunResult:
     """Start the sim host and every role; measure from the scheduler's start until ``target`` trained samples
     (or, with ``window_s``, over that many seconds after the first trained batch)."""
     from loadtests._cluster import RoleProc, write_toml
@@ -259,7 +262,8 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
     try:
         urls = sims.start()
         cfg = cluster_config(f"fleet-{run_dir.name}", stack.infra.kafka_bootstrap, stack.infra.nats_url, run_dir,
-                             model_dir, urls, plan, staleness=staleness, batch_size=batch_size)
+                             model_dir, urls, plan, staleness=staleness, batch_size=batch_size,
+                             partial_rollouts=partial_rollouts)
         config = write_toml(cfg, run_dir / "cluster.toml")
         for role in ROLES:
             procs[role] = RoleProc(role, role, config, run_dir)
@@ -362,25 +366,33 @@ def run(plan: Plan, work: Path, model_dir: Path | None, *, log: Any = print) -> 
         target = plan.target_steps * plan.batch_size
         sync_s: list[float] = []
         async_s: list[float] = []
+        nopartial_s: list[float] = []
         pairs: list[dict[str, Any]] = []
         log(f"async (S={plan.staleness}) vs sync (S=0): time to {target} trained samples on {plan.servers} "
             f"simulated servers, {plan.rounds} rounds")
         for r in range(plan.rounds):
-            order = [("sync", 0), ("async", plan.staleness)]
+            order = [("sync", 0, True), ("async", plan.staleness, True), ("nopartial", plan.staleness, False)]
             res: dict[str, RunResult] = {}
-            for mode, s in (order if r % 2 == 0 else order[::-1]):
+            for mode, s, partial in (order if r % 2 == 0 else order[::-1]):
                 res[mode] = run_cluster(stack, work, tiny, plan, mode=mode, servers=plan.servers, staleness=s,
-                                        batch_size=plan.batch_size, target=target, window_s=None, log=log)
+                                        batch_size=plan.batch_size, target=target, window_s=None, log=log,
+                                        partial_rollouts=partial)
             assert res["sync"].seconds_to_target and res["async"].seconds_to_target
+            assert res["nopartial"].seconds_to_target
             sync_s.append(res["sync"].seconds_to_target)
             async_s.append(res["async"].seconds_to_target)
-            pairs.append({"round": r, "first": "sync" if r % 2 == 0 else "async",
-                          "sync": res["sync"].row(), "async": res["async"].row()})
+            nopartial_s.append(res["nopartial"].seconds_to_target)
+            pairs.append({"round": r, "first": "sync" if r % 2 == 0 else "nopartial",
+                          "sync": res["sync"].row(), "async": res["async"].row(), "nopartial": res["nopartial"].row()})
         stats = ratio_stats(sync_s, async_s)
+        partial_stats = ratio_stats(nopartial_s, async_s)
         out.update({"target_trained_samples": target, "async_vs_sync_servers": plan.servers,
                     "async_over_sync": stats["mean"], "async_over_sync_ci95": stats["ci95"],
                     "async_over_sync_per_round": stats["per_round"], "async_vs_sync_runs": pairs,
-                    "partial_rollouts_over_none": None, "partial_rollouts_note": PARTIAL_ROLLOUTS_NULL_REASON})
+                    "partial_rollouts_over_none": partial_stats["mean"],
+                    "partial_rollouts_over_none_ci95": partial_stats["ci95"],
+                    "partial_rollouts_over_none_per_round": partial_stats["per_round"],
+                    "partial_rollouts_note": PARTIAL_ROLLOUTS_NOTE})
         # 3. fleet growth
         growth: list[dict[str, Any]] = []
         log(f"fleet growth: async S={plan.staleness}, batch {plan.batch_size} x servers up to {plan.fleet_batch_cap}, "
@@ -406,15 +418,17 @@ def run(plan: Plan, work: Path, model_dir: Path | None, *, log: Any = print) -> 
 def print_results(out: dict[str, Any]) -> None:
     print(f"\nSIMULATED fleet: {out['gpu']} serving {out['model']}; 1 synthetic token = {out['token_scale']} tokens; "
           f"time scale {out['time_scale']}")
-    print(f"\n{'round':<6}{'first':>6}{'sync s':>9}{'async s':>9}{'ratio':>8}")
+    print(f"\n{'round':<6}{'first':>10}{'sync s':>9}{'async s':>9}{'ratio':>8}{'no-partial s':>14}")
     for p, ratio in zip(out["async_vs_sync_runs"], out["async_over_sync_per_round"]):
-        print(f"{p['round']:<6}{p['first']:>6}{p['sync']['seconds_to_target']:>9.1f}"
-              f"{p['async']['seconds_to_target']:>9.1f}{ratio:>8.2f}")
+        print(f"{p['round']:<6}{p['first']:>10}{p['sync']['seconds_to_target']:>9.1f}"
+              f"{p['async']['seconds_to_target']:>9.1f}{ratio:>8.2f}{p['nopartial']['seconds_to_target']:>14.1f}")
     ci = out["async_over_sync_ci95"]
     print(f"async_over_sync (time to {out['target_trained_samples']} trained samples): {out['async_over_sync']}x"
           + (f" (95% interval {ci[0]}..{ci[1]})" if ci else ""))
     partial = out["partial_rollouts_over_none"]
-    print(f"partial rollouts vs none: {'null' if partial is None else partial} ({out['partial_rollouts_note']})")
+    pci = out.get("partial_rollouts_over_none_ci95")
+    print(f"partial_rollouts_over_none: {'null' if partial is None else f'{partial}x'}"
+          + (f" (95% interval {pci[0]}..{pci[1]})" if pci else "") + f" ({out['partial_rollouts_note']})")
     print(f"\n{'servers':>8}{'batch':>7}{'samples/s':>11}" + "".join(f"{r + ' us':>14}" for r in ROLES)
           + f"{'(sim servers us)':>18}")
     for g in out["fleet"]:

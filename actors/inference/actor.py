@@ -9,7 +9,8 @@ For each task from ``rollout.tasks`` it generates the task's group of samples co
   every token;
 - a weight update aborts generations in flight (``abort_all_requests``); an aborted generation is
   resumed from prompt + tokens so far, so its tokens are kept and tagged with the version that made
-  them;
+  them (partial rollouts); with ``inference.partial_rollouts = false`` the update instead waits for the
+  generations in flight to end, holding new ones back (:class:`GenerationGate`);
 - multi-turn episodes (``max_turns > 1``) alternate a model turn (one command, up to a newline) with
   a sandbox step over ``rollout.sandbox.requests`` / ``rollout.sandbox.results``; observation tokens
   get loss mask 0, logprob 0 and version -1.
@@ -20,9 +21,11 @@ only after all its completions are: a crash re-generates the whole group elsewhe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,48 @@ class SandboxUnavailable(RuntimeError):
 
 class SandboxFull(SandboxUnavailable):
     """The sandbox host refused to open an episode: it holds as many as it may (backpressure)."""
+
+
+class GenerationGate:
+    """Generation streams (many at once) against weight updates that must not interrupt them.
+
+    ``async with gate.stream()`` around one generation stream; ``async with gate.exclusive()`` around a
+    weight update: it closes the gate to new streams, waits until the running ones end, and reopens when
+    done. Used when partial rollouts are off.
+    """
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.closed = False
+        self._changed = anyio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    @contextlib.asynccontextmanager
+    async def stream(self) -> AsyncIterator[None]:
+        while self.closed:
+            await self._changed.wait()
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        while self.closed:  # another update holds it
+            await self._changed.wait()
+        self.closed = True
+        try:
+            while self.active:
+                await self._changed.wait()
+            yield
+        finally:
+            self.closed = False
+            self._notify()
 
 
 class _Sample:
@@ -118,6 +163,8 @@ class InferenceActor(StreamActor):
         self.chunks_out = 0  # rollout.tokens records
         self.resumed = 0
         self.waited_for_sandbox = 0
+        self.partial_rollouts = cfg.partial_rollouts
+        self._gate = GenerationGate()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -155,10 +202,16 @@ class InferenceActor(StreamActor):
             if manifest.version <= self.weight_version:
                 continue
             vdir = await sub.fetch(manifest)
-            with anyio.fail_after(self.rt.cfg.inference.weight_sync_timeout_s):
-                self._update_epoch += 1
-                await self.client.update_weights_from_disk(str(vdir), weight_version=str(manifest.version),
-                                                           abort_all_requests=True)
+            if self.partial_rollouts:
+                with anyio.fail_after(self.rt.cfg.inference.weight_sync_timeout_s):
+                    self._update_epoch += 1
+                    await self.client.update_weights_from_disk(str(vdir), weight_version=str(manifest.version),
+                                                               abort_all_requests=True)
+            else:
+                async with self._gate.exclusive():  # every generation in flight ends first; none starts meanwhile
+                    with anyio.fail_after(self.rt.cfg.inference.weight_sync_timeout_s):
+                        await self.client.update_weights_from_disk(str(vdir), weight_version=str(manifest.version),
+                                                                   abort_all_requests=False)
             self.weight_version = manifest.version
             self._version_applied.set()
             self._version_applied = anyio.Event()
@@ -339,30 +392,34 @@ class InferenceActor(StreamActor):
             params = dict(sampling, max_new_tokens=budget - len(mine))
             final: GenerateResult | None = None
             seen = 0
-            stream = self.client.generate_stream(context + mine, sampling_params=params,
-                                                 rid=f"{sample.sample_id}#{attempt}", key=sample.sample_id)
-            unsent: tuple[list[int], list[float], list[int]] = ([], [], [])
-            async for chunk in stream:
-                new_ids = chunk.output_ids[seen:]
-                if new_ids:
-                    lps = (chunk.logprobs or [])[seen:]
-                    if len(lps) != len(new_ids):
-                        raise SGLangError(f"server returned {len(lps)} logprobs for {len(new_ids)} tokens")
-                    if chunk.token_weight_versions is not None:
-                        vers = [_version_int(v, self.weight_version) for v in chunk.token_weight_versions[seen:]]
-                    else:
-                        vers = [_version_int(chunk.weight_version, self.weight_version)] * len(new_ids)
-                    sample.add_model_tokens(new_ids, lps, vers)
-                    mine += new_ids
-                    unsent[0].extend(new_ids)
-                    unsent[1].extend(lps)
-                    unsent[2].extend(vers)
-                    self.tokens_out += len(new_ids)
-                    seen = len(chunk.output_ids)
-                if chunk.finished:
-                    final = chunk
-                if len(unsent[0]) >= self.stream_interval:
-                    self._stream_tokens(record, task, sample, unsent, chunk_headers)
+            # without partial rollouts a weight update waits for this stream to end (and holds new ones back)
+            gate: contextlib.AbstractAsyncContextManager[None] = (
+                contextlib.nullcontext() if self.partial_rollouts else self._gate.stream())
+            async with gate:
+                stream = self.client.generate_stream(context + mine, sampling_params=params,
+                                                     rid=f"{sample.sample_id}#{attempt}", key=sample.sample_id)
+                unsent: tuple[list[int], list[float], list[int]] = ([], [], [])
+                async for chunk in stream:
+                    new_ids = chunk.output_ids[seen:]
+                    if new_ids:
+                        lps = (chunk.logprobs or [])[seen:]
+                        if len(lps) != len(new_ids):
+                            raise SGLangError(f"server returned {len(lps)} logprobs for {len(new_ids)} tokens")
+                        if chunk.token_weight_versions is not None:
+                            vers = [_version_int(v, self.weight_version) for v in chunk.token_weight_versions[seen:]]
+                        else:
+                            vers = [_version_int(chunk.weight_version, self.weight_version)] * len(new_ids)
+                        sample.add_model_tokens(new_ids, lps, vers)
+                        mine += new_ids
+                        unsent[0].extend(new_ids)
+                        unsent[1].extend(lps)
+                        unsent[2].extend(vers)
+                        self.tokens_out += len(new_ids)
+                        seen = len(chunk.output_ids)
+                    if chunk.finished:
+                        final = chunk
+                    if len(unsent[0]) >= self.stream_interval:
+                        self._stream_tokens(record, task, sample, unsent, chunk_headers)
             if unsent[0]:  # the rest, once the stream has ended (finished, or aborted by a weight update)
                 self._stream_tokens(record, task, sample, unsent, chunk_headers)
             assert final is not None
