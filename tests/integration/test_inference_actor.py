@@ -45,7 +45,8 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
                        nats=NatsConfig(url=nats_url), scheduler=SchedulerConfig(group_size=GROUP),
                        inference=InferenceConfig(concurrency=TASKS * GROUP, temperature=1.0,
                                                  stream_interval=stream_interval))
-    async with LocalServer(model_dir, log_path=tmp_path / "server.log") as url, Runtime(cfg) as rt:
+    # 4 generations at a time: the 24 run in waves, so the update lands mid-run however fast one wave decodes
+    async with LocalServer(model_dir, log_path=tmp_path / "server.log", max_batch=4) as url, Runtime(cfg) as rt:
         names = rt.names
         for i in range(TASKS):
             await rt.producer.send(names.tasks, Task(
