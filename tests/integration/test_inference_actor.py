@@ -209,3 +209,46 @@ async def test_a_draining_actor_gives_back_a_task_still_waiting_for_weights(
                 await until(4)
                 second.drain()
     assert all(set(completions[f"next/{i}"].weight_versions.tolist()) == {1} for i in range(2))
+
+
+async def test_without_partial_rollouts_an_update_waits_for_the_generations_in_flight(
+        kafka_bootstrap, nats_url, unique_name, tmp_path):
+    """``inference.partial_rollouts = false``: a version published mid-run is applied only between
+    generations: no sample mixes versions, none is resumed, and later samples run on the new weights."""
+    model_dir = write_tiny_model_dir(tmp_path / "model", seed=0)
+    _, tokenizer = load_model_dir(model_dir)
+    cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1),
+                       nats=NatsConfig(url=nats_url), scheduler=SchedulerConfig(group_size=GROUP),
+                       inference=InferenceConfig(concurrency=GROUP, temperature=1.0, stream_interval=16,
+                                                 partial_rollouts=False))
+    async with LocalServer(model_dir, log_path=tmp_path / "server.log", max_batch=4) as url, Runtime(cfg) as rt:
+        names = rt.names
+        for i in range(TASKS):
+            await rt.producer.send(names.tasks, Task(
+                task_id=f"t{i}", domain="arith", prompt=f"{i}+{i}=", spec={"answer": str(2 * i)}, group_size=GROUP,
+                sampling={"max_new_tokens": TOKENS, "ignore_eos": True}), key=f"t{i}")
+        sup = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
+        sup.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w"))
+        v1_files = _perturbed_copy(model_dir, tmp_path / "v1")
+        completions: dict[str, Completion] = {}
+        watch = Consumer(cfg.kafka, topics=[names.completions, names.tokens], group=f"{unique_name}.watch",
+                         expect=("completion", "token_chunk"))
+        async with watch, anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            published = False
+            with anyio.fail_after(240):
+                while len(completions) < TASKS * GROUP:
+                    for r in await watch.getmany(timeout_s=0.2):
+                        if isinstance(r.message, Completion):
+                            completions[r.message.sample_id] = r.message
+                        elif not published:  # the first tokens: generation is under way
+                            await WeightPublisher(rt.require_nats(), names).publish(1, v1_files)
+                            published = True
+                        r.ack()
+            stats = sup.actors["inference"].statistics()
+            sup.drain()
+    assert stats["weight_version"] == 1 and stats["resumed"] == 0
+    versions = [set(c.weight_versions.tolist()) for c in completions.values()]
+    assert all(len(v) == 1 for v in versions)  # one version per generation: never interrupted
+    assert {0} in versions and {1} in versions  # the update landed between generations
+    assert all(len(c.response_ids) == TOKENS for c in completions.values())  # none cut short by an abort
