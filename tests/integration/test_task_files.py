@@ -24,6 +24,17 @@ def _cfg(kafka: str, nats: str, namespace: str, path: Path, max_tasks: int) -> E
         scheduler=SchedulerConfig(task_files={str(path): 1.0}, group_size=1, max_tasks=max_tasks))
 
 
+async def _issued(cfg: EngineConfig, topic: str, n: int) -> list[Task]:
+    """The tasks on ``topic`` (one partition): exactly ``n`` of them, nothing beyond."""
+    tasks: list[Task] = []
+    async with Consumer(cfg.kafka, assign=[(topic, 0)], expect=(Task.SCHEMA,)) as out:
+        with anyio.fail_after(30):
+            while len(tasks) < n:
+                tasks.extend(r.message for r in await out.getmany(timeout_s=0.2))
+        assert not await out.getmany(timeout_s=1.0)  # nothing beyond them
+    return tasks
+
+
 async def test_task_file_rows_issued_once_across_a_restart(
         kafka_bootstrap: str, nats_url: str, unique_name: str, tmp_path: Path) -> None:
     path = tmp_path / "mine.jsonl"
@@ -45,13 +56,7 @@ async def test_task_file_rows_issued_once_across_a_restart(
         with anyio.fail_after(30):
             await actor.run()  # resumes at row 5 and stops when the file is exhausted
         assert actor.done and actor.tasks_admitted == 6
-        tasks: list[Task] = []
-        out = Consumer(again_cfg.kafka, assign=[(rt.names.tasks, 0)], expect=(Task.SCHEMA,))
-        async with out:
-            with anyio.fail_after(30):
-                while len(tasks) < 6:
-                    tasks.extend(r.message for r in await out.getmany(timeout_s=0.2))
-            assert not await out.getmany(timeout_s=1.0)  # nothing beyond the six rows
+        tasks = await _issued(again_cfg, rt.names.tasks, 6)
     assert [t.spec["task_file_id"] for t in tasks] == [f"q{i}" for i in range(6)]
     assert all(t.domain == "math" and t.spec["answer"] == str(int(t.spec["task_file_id"][1:]) + 1) for t in tasks)
 
@@ -81,11 +86,5 @@ async def test_rows_issued_after_the_last_status_are_not_issued_again(
         with anyio.fail_after(30):
             await actor.run()
         assert actor.done and actor.tasks_admitted == 6 and actor.admitted_samples == 6
-        tasks: list[Task] = []
-        out = Consumer(again_cfg.kafka, assign=[(rt.names.tasks, 0)], expect=(Task.SCHEMA,))
-        async with out:
-            with anyio.fail_after(30):
-                while len(tasks) < 6:
-                    tasks.extend(r.message for r in await out.getmany(timeout_s=0.2))
-            assert not await out.getmany(timeout_s=1.0)
+        tasks = await _issued(again_cfg, rt.names.tasks, 6)
     assert [t.spec["task_file_id"] for t in tasks] == [f"q{i}" for i in range(6)]  # once each, in order
