@@ -18,8 +18,6 @@ retried at the next due version; it never stops the deployment.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from typing import Any
 
@@ -76,7 +74,7 @@ class EvalActor(Actor):
         self.sandbox_backend = sandbox_backend
         self.api_key = api_key
         self.poll_s = poll_s
-        self.instance = rt.instance or f"{socket.gethostname()}-{os.getpid()}"
+        self.instance = rt.instance
         self.last_version: int | None = None
         self.evaluations = 0
         self.failures = 0

@@ -296,14 +296,13 @@ class TaskFileSource:
         self.tasks = shard(TaskFile(self.path, known_domains=DOMAINS, mapping=mapping).tasks, replica, replicas)
         self.position = 0
 
-    def skip_issued(self, row_ids: list[str]) -> int:
-        """Move past rows found already issued (ids of this shard); returns how many were past ``position``."""
+    def skip_issued(self, row_ids: list[str]) -> list[str]:
+        """Move past rows found already issued (ids of this shard); returns the ids that were past ``position``."""
         index = {t.id: i for i, t in enumerate(self.tasks)}
-        found = sorted(index[r] for r in set(row_ids) if r in index)
-        beyond = sum(i >= self.position for i in found)
-        if found:
-            self.position = max(self.position, found[-1] + 1)
-        return beyond
+        beyond = sorted((index[r] for r in set(row_ids) if r in index and index[r] >= self.position))
+        if beyond:
+            self.position = beyond[-1] + 1
+        return [self.tasks[i].id for i in beyond]
 
     def next(self, difficulty: float) -> SourcedTask | None:
         if self.position >= len(self.tasks):
@@ -404,14 +403,12 @@ class SchedulerActor(Actor):
                 issued[source].append(row)
                 group_sizes[(source, row)] = msg.group_size
         for name, rows in issued.items():
-            before = files[name].position
-            beyond = files[name].skip_issued(rows)
-            if beyond:
-                self.tasks_admitted += beyond
-                self.admitted_samples += sum(group_sizes[(name, r.id)] for r in files[name].tasks[before:files[name].position]
-                                             if (name, r.id) in group_sizes)
+            skipped = files[name].skip_issued(rows)
+            if skipped:
+                self.tasks_admitted += len(skipped)
+                self.admitted_samples += sum(group_sizes[(name, row)] for row in skipped)
                 log.warning("%s: %d row(s) of %s were issued after the last stored status; not issuing them again",
-                            self.name, beyond, name)
+                            self.name, len(skipped), name)
 
     async def serve(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -520,16 +517,21 @@ class SchedulerActor(Actor):
                 continue
             domain = DOMAINS[msg.domain]
             spec = dict(msg.spec, task_file_id=msg.id)
-            sampling: dict[str, Any] = {"max_new_tokens": domain.max_new_tokens or self.rt.cfg.inference.max_new_tokens,
-                                        "temperature": self.rt.cfg.inference.temperature}
-            if domain.stop:
-                sampling["stop"] = list(domain.stop)
+            sampling = self._sampling(domain.max_new_tokens, domain.stop)
             self.published_issued += 1
             self._published_record = record
             return Task(task_id=f"{msg.domain}-{uuid.uuid4().hex[:20]}", domain=msg.domain, prompt=msg.prompt,
                         spec=spec, group_size=self.cfg.group_size, sampling=sampling,
                         max_turns=msg.max_turns or domain.turns(spec), admitted_version=self.learner.version)
         return None
+
+    def _sampling(self, max_new_tokens: int | None, stop: Sequence[str]) -> dict[str, Any]:
+        """A task's sampling parameters: its domain's budget and stops, the inference defaults otherwise."""
+        sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens or self.rt.cfg.inference.max_new_tokens,
+                                    "temperature": self.rt.cfg.inference.temperature}
+        if stop:
+            sampling["stop"] = list(stop)
+        return sampling
 
     def _next_task(self) -> Task | None:
         while True:
@@ -543,10 +545,7 @@ class SchedulerActor(Actor):
             if sourced is None:
                 self.mixer.remove(name)
                 continue
-            sampling: dict[str, Any] = {"max_new_tokens": sourced.max_new_tokens or self.rt.cfg.inference.max_new_tokens,
-                        "temperature": self.rt.cfg.inference.temperature}
-            if sourced.stop:
-                sampling["stop"] = list(sourced.stop)
+            sampling = self._sampling(sourced.max_new_tokens, sourced.stop)
             return Task(task_id=f"{sourced.domain}-{uuid.uuid4().hex[:20]}", domain=sourced.domain,
                         prompt=sourced.prompt, spec=sourced.spec, group_size=self.cfg.group_size,
                         sampling=sampling, max_turns=sourced.max_turns, admitted_version=self.learner.version,
