@@ -23,7 +23,7 @@ from typing import Any
 
 import anyio
 
-from actors.evaluate import EvalReport, EvalTask, heldout_tasks, run_episodes, summarise
+from actors.evaluate import EvalReport, EvalTask, file_tasks, heldout_tasks, run_episodes, summarise
 from actors.inference.sglang_client import SGLangClient, SGLangError
 from actors.runtime import Runtime
 from engine.actor import Actor
@@ -38,14 +38,11 @@ def due(version: int, last: int | None, every: int) -> bool:
     return last is None or version >= last + every
 
 
-def eval_tasks(cfg: EvalConfig, known_domains: Any) -> list[EvalTask]:
+def eval_tasks(cfg: EvalConfig) -> list[EvalTask]:
     """The configured held-out domains' tasks and the task file's rows (TaskFileError / ValueError if bad)."""
     tasks = heldout_tasks(dict(cfg.domains), seed=cfg.seed + 7919) if cfg.domains else []
     if cfg.task_file:
-        from engine.tasks import TaskFile
-
-        tf = TaskFile(cfg.task_file, known_domains=known_domains)
-        tasks += [EvalTask(t.id, t.domain, t.prompt, t.spec, t.max_turns) for t in tf.tasks]
+        tasks += file_tasks(cfg.task_file)
     return tasks
 
 
@@ -82,9 +79,7 @@ class EvalActor(Actor):
         self._tasks: list[EvalTask] = []
 
     async def setup(self) -> None:
-        from actors.domains import DOMAINS
-
-        self._tasks = eval_tasks(self.cfg, DOMAINS)
+        self._tasks = eval_tasks(self.cfg)
         log.info("%s: %d held-out tasks (%s), every %d weight versions", self.name, len(self._tasks),
                  ", ".join(sorted({t.domain for t in self._tasks})), self.cfg.every_versions)
 

@@ -173,6 +173,15 @@ def summarise(records: list[EpisodeRecord], samples: int) -> dict[str, EvalRepor
     return out
 
 
+def file_tasks(path: str, *, default_domain: str | None = None,
+               mapping: dict[str, str] | None = None) -> list[EvalTask]:
+    """The rows of a user's task file as evaluation tasks (read as the scheduler reads it; TaskFileError if bad)."""
+    from engine.tasks import TaskFile
+
+    tf = TaskFile(path, known_domains=DOMAINS, default_domain=default_domain, mapping=mapping)
+    return [EvalTask(t.id, t.domain, t.prompt, t.spec, t.max_turns) for t in tf.tasks]
+
+
 def heldout_tasks(domains: dict[str, int], *, seed: int = 0, difficulty: float = 0.0) -> list[EvalTask]:
     """Up to ``domains[name]`` held-out tasks of each built-in domain; ValueError naming an unknown domain."""
     unknown = sorted(set(domains) - set(DOMAINS))

@@ -90,6 +90,17 @@ def _read_hf_dir(p: Path) -> Iterator[tuple[int, Any]]:
         yield i, row
 
 
+def parse_mapping(pairs: Iterable[str]) -> dict[str, str]:
+    """``FIELD=COLUMN`` strings (the CLIs' ``--map``) -> a field mapping; ValueError naming a malformed one."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        field, sep, column = pair.partition("=")
+        if not sep or not field or not column:
+            raise ValueError(f"--map wants FIELD=COLUMN, got {pair!r}")
+        out[field] = column
+    return out
+
+
 def apply_mapping(row: Mapping[str, Any], mapping: Mapping[str, str]) -> dict[str, Any]:
     """Rename ``row``'s columns: ``mapping`` is canonical field -> the file's column name."""
     if not mapping:

@@ -79,25 +79,17 @@ def _domain_counts(pairs: list[str]) -> dict[str, int]:
 
 def load_tasks(args: argparse.Namespace) -> list[Any]:
     """The task set the arguments name: held-out tasks of each ``--domain``, then the ``--tasks`` file's rows."""
-    from actors.domains import DOMAINS
-    from actors.evaluate import EvalTask, heldout_tasks
-    from engine.tasks import TaskFile, TaskFileError
+    from actors.evaluate import file_tasks, heldout_tasks
+    from engine.tasks import TaskFileError, parse_mapping
 
     if not args.domain and not args.tasks:
         raise EvalInputError("nothing to evaluate: give --domain NAME=N and/or --tasks FILE")
     tasks = heldout_tasks(_domain_counts(args.domain), seed=args.seed) if args.domain else []
     if args.tasks:
-        mapping: dict[str, str] = {}
-        for pair in args.map:
-            field, sep, column = pair.partition("=")
-            if not sep or not field or not column:
-                raise EvalInputError(f"--map wants FIELD=COLUMN, got {pair!r}")
-            mapping[field] = column
         try:
-            tf = TaskFile(args.tasks, known_domains=DOMAINS, default_domain=args.tasks_domain, mapping=mapping)
-        except TaskFileError as exc:
+            tasks += file_tasks(args.tasks, default_domain=args.tasks_domain, mapping=parse_mapping(args.map))
+        except (TaskFileError, ValueError) as exc:
             raise EvalInputError(str(exc)) from None
-        tasks += [EvalTask(t.id, t.domain, t.prompt, t.spec, t.max_turns) for t in tf.tasks]
     if not tasks:
         raise EvalInputError("the task set is empty (the domains' held-out spaces gave no task)")
     return tasks

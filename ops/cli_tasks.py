@@ -48,13 +48,12 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _mapping(pairs: list[str]) -> dict[str, str]:
-    out = {}
-    for pair in pairs:
-        field, sep, column = pair.partition("=")
-        if not sep or not field or not column:
-            raise SystemExit(f"rollout tasks: --map wants FIELD=COLUMN, got {pair!r}")
-        out[field] = column
-    return out
+    from engine.tasks import parse_mapping
+
+    try:
+        return parse_mapping(pairs)
+    except ValueError as exc:
+        raise SystemExit(f"rollout tasks: {exc}") from None
 
 
 def _load(args: argparse.Namespace, command: str) -> "TaskFile | None":

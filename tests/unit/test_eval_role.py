@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from actors.domains import DOMAINS
 from actors.eval_role import due, eval_tasks, result_message
 from actors.evaluate import EpisodeRecord, summarise
 from engine.config import EngineConfig, EvalConfig
@@ -43,7 +42,7 @@ def test_config_errors_name_the_field() -> None:
 def test_tasks_are_heldout_and_file_rows(tmp_path: Path) -> None:
     f = tmp_path / "mine.jsonl"
     f.write_text(json.dumps({"id": "a", "domain": "math", "prompt": "1+1=", "answer": "2"}) + "\n")
-    tasks = eval_tasks(EvalConfig(every_versions=1, domains={"math": 3}, task_file=str(f)), DOMAINS)
+    tasks = eval_tasks(EvalConfig(every_versions=1, domains={"math": 3}, task_file=str(f)))
     assert [t.domain for t in tasks] == ["math"] * 4
     assert tasks[-1].id == "a" and tasks[-1].spec["answer"] == "2"
     assert len({t.prompt for t in tasks[:3]}) == 3
