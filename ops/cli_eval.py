@@ -144,12 +144,10 @@ async def policy_dir(args: argparse.Namespace, scratch: Path) -> Path:
 
 async def _published_weights(config_path: str, scratch: Path) -> Path:
     """The latest version on the deployment's weights bucket, over its model directory's config and tokenizer."""
-    import shutil
-
     from engine.config import ConfigError, load_config
     from engine.topics import Names
     from streams.nats import Nats, NatsError
-    from streams.weights import IncompleteModelDir, WeightPublisher, WeightSubscriber
+    from streams.weights import IncompleteModelDir, fetch_latest_model
 
     try:
         cfg = load_config(config_path)
@@ -165,17 +163,13 @@ async def _published_weights(config_path: str, scratch: Path) -> Path:
     except (NatsError, OSError) as exc:
         raise PolicyError(f"--weights: cannot reach NATS at {cfg.nats.url}: {exc}") from None
     try:
-        manifest = await WeightPublisher(nats, names).latest()
-        if manifest is None:
-            raise PolicyError(f"--weights: namespace {cfg.namespace!r} has no published weight version")
-        out = scratch / "policy"
-        shutil.copytree(Path(base).expanduser(), out)
         try:
-            vdir = await WeightSubscriber(nats, names, scratch / "fetched").fetch(manifest)
+            latest = await fetch_latest_model(nats, names, Path(base).expanduser(), scratch / "fetched", scratch / "policy")
         except (NatsError, IncompleteModelDir) as exc:
-            raise PolicyError(f"--weights: fetching version {manifest.version}: {exc}") from None
-        for f in vdir.iterdir():
-            shutil.copy2(f, out / f.name)
+            raise PolicyError(f"--weights: fetching the latest version: {exc}") from None
+        if latest is None:
+            raise PolicyError(f"--weights: namespace {cfg.namespace!r} has no published weight version")
+        manifest, out = latest
         print(f"rollout eval: weight version {manifest.version} (step {manifest.step}) of {cfg.namespace!r}",
               file=sys.stderr)
         return out

@@ -33,7 +33,7 @@ from engine.config import EngineConfig, load_config
 from engine.schemas import Experience
 from streams.kafka import Consumer
 from streams.nats import Nats
-from streams.weights import WeightPublisher, WeightSubscriber
+from streams.weights import fetch_latest_model
 
 log = logging.getLogger("rollout.demo")
 
@@ -312,16 +312,10 @@ class Progress:
 async def fetch_final_weights(nats: Nats, names: Any, run_dir: Path, model_dir: Path | None) -> Path:
     """The latest published version as a complete HF directory (config and tokenizer from the start)."""
     assert model_dir is not None
-    manifest = await WeightPublisher(nats, names).latest()
-    if manifest is None:
+    latest = await fetch_latest_model(nats, names, model_dir, run_dir / "final-weights", run_dir / "final-model")
+    if latest is None:
         raise RuntimeError("the learner published no weights")
-    vdir = await WeightSubscriber(nats, names, run_dir / "final-weights").fetch(manifest)
-    final = run_dir / "final-model"
-    shutil.rmtree(final, ignore_errors=True)
-    shutil.copytree(model_dir, final)
-    for f in vdir.iterdir():
-        shutil.copy2(f, final / f.name)
-    return final
+    return latest[1]
 
 
 def plot(curves: dict[str, dict[int, float]], before: dict[str, DomainScore], after: dict[str, DomainScore],

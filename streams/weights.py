@@ -179,3 +179,21 @@ class WeightSubscriber:
             raise NatsError(f"fetching weight version {manifest.version} took longer than {self.timeout_s}s") from None
         check_hf_dir(vdir)
         return vdir
+
+
+async def fetch_latest_model(nats: ControlStore, names: Names, base_dir: str | Path, fetch_dir: Path,
+                             out_dir: Path) -> tuple[WeightManifest, Path] | None:
+    """The latest published version as a model directory ``out_dir``: ``base_dir``'s files (config, tokenizer,
+    generation config) overlaid with the version's; None when nothing is published. The version is fetched
+    (digests checked) under ``fetch_dir``; NatsError / IncompleteModelDir as :meth:`WeightSubscriber.fetch`."""
+    import shutil
+
+    manifest = await WeightPublisher(nats, names).latest()
+    if manifest is None:
+        return None
+    vdir = await WeightSubscriber(nats, names, fetch_dir).fetch(manifest)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.copytree(base_dir, out_dir)
+    for f in vdir.iterdir():
+        shutil.copy2(f, out_dir / f.name)
+    return manifest, out_dir
