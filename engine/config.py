@@ -190,6 +190,14 @@ class InferenceConfig(Section):
     """Local backend: tokens of finished sequences' KV kept so a prompt sent again (or a multi-turn
     episode's next turn) reuses its prefix (`rollout inference serve --prefix-cache-tokens`); 0 disables.
     Memory: this many tokens x the KV bytes per token (46 KB fp32, 23 KB bf16 for SmolLM2-135M)."""
+    kv_cache: Literal["paged", "slot"] = "paged"
+    """Local backend: the KV store (`rollout inference serve --kv-cache`): `paged` (fixed-size blocks, a
+    block table per sequence, a group's prompt blocks shared, retained prefixes in a radix tree over
+    blocks, admission control on free blocks) or `slot` (a preallocated row per sequence)."""
+    kv_cache_tokens: int = Field(65536, ge=16)
+    """Local backend, paged store: the KV pool's bound in tokens (memory: this x the KV bytes per token,
+    allocated as needed); a request waits in the queue until its worst case (input + max_new_tokens) fits,
+    and one that can never fit is refused with a 400 (`--kv-cache-tokens`)."""
     prefix_cache_int8_tokens: int = Field(0, ge=0)
     """Local backend: a second tier of the prefix cache holding this many more tokens, int8-quantised
     (entries evicted from the first tier; restored on a hit, close to but not bit-equal with the computed

@@ -8,10 +8,12 @@ Every ratio is measured against a baseline run in this same script, on the same 
    computed with over without (goal <= 1.2/8), and the group's time to first token (all 8 samples
    have a token) without over with. ``repeat_group_prefill_tokens``: the same group sent again after
    the first finished: what the retained prefix cache leaves to compute.
-2. ``paged_decode_speedup``: decode throughput of N concurrent sequences of L context tokens through
-   the engine's runner (one batched step over the slot cache) against the naive per-sequence baseline:
+2. ``paged_decode_speedup``: decode throughput of N concurrent sequences (a group's samples) of L context
+   tokens through the engine's paged store (one batched step; the shared prompt's blocks attended once
+   per step for the group) against the naive per-sequence baseline:
    ``transformers`` with its own contiguous ``past_key_values`` per sequence, decoded one sequence at a
-   time as ``generate`` does. Same model, dtype and contexts. KV bytes per sequence of both reported.
+   time as ``generate`` does. Same model, dtype and contexts. ``paged_over_slot``: against the slot store.
+   KV bytes per sequence of all three reported.
 3. ``max_context_tokens_tiered``: a 16 GiB KV budget over the KV bytes per token in the serving dtype
    (without a tier), and over the int8 tier's bytes per token MEASURED on the engine's prefix cache
    (``--prefix-cache-int8-tokens``: prompts pushed out of a one-prompt hot tier into the int8 tier; the
@@ -20,8 +22,10 @@ Every ratio is measured against a baseline run in this same script, on the same 
    completions identical to the first, computed ones) with the largest logprob difference.
 4. ``sparse_accuracy_delta``: held-out ``longdoc`` tasks (greedy, the chat template) with a sliding
    window + attention sinks minus with full attention, ``sparse_speed_ratio`` (seconds full over
-   seconds windowed, the same tasks) and ``sparse_output_agreement`` (the fraction of tasks whose greedy
-   completion the window leaves unchanged: a signal even where the model scores 0 either way).
+   seconds windowed, the same tasks), ``sparse_output_agreement`` (the fraction of tasks whose greedy
+   completion the window leaves unchanged) and ``answer_logprob_delta`` (the mean log-probability per token
+   of the right ``Answer: ...`` line, teacher-forced, windowed minus full): signals even where the model
+   scores 0 either way. The full run uses documents of ~7,500 tokens (8k context with the chat template).
 
     python -m loadtests.long_context --quick --json runs/long_context.json
 
@@ -123,52 +127,66 @@ async def measure_group(model: Any, tok: Any, dtype: str, prompt: list[int]) -> 
 
 @torch.inference_mode()
 def measure_decode(model: Any, n_seqs: int, context: int, steps: int) -> dict[str, Any]:
-    """Decode tokens/s of ``n_seqs`` sequences of ``context`` tokens: the engine's runner vs per-sequence HF."""
+    """Decode tokens/s of ``n_seqs`` sequences of ``context`` tokens: the paged store, the slot store, per-sequence HF.
+
+    The sequences are a group's samples: one prompt prefilled once, shared by every row (the paged store
+    shares its blocks and attends to them once per step for the whole group; the slot store copies them into
+    every row; HF holds a contiguous copy per sequence).
+    """
     from transformers import DynamicCache
 
-    from actors.inference.local.runner import SlotRunner
+    from actors.inference.local.runner import PagedRunner, SlotRunner
 
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
     ids = torch.randint(10, vocab - 10, (context,), generator=gen).tolist()
-    # engine: one prefill, copied into every slot (contents do not change decode cost), then batched steps
-    runner = SlotRunner(model, max_slots=n_seqs)
-    slots = [runner.acquire() for _ in range(n_seqs)]
-    for i in range(0, context, CHUNK):
-        runner.step([(slots[0], i, ids[i:i + CHUNK])], [], [], [])
-    for s in slots[1:]:
-        runner.copy_prefix(s, slots[0], context)
-    runner.step([], slots, [context] * n_seqs, [ids[-1]] * n_seqs)  # warm-up step (allocations)
+    runners: dict[str, Any] = {
+        "paged": PagedRunner(model, max_seqs=n_seqs, max_tokens=context + n_seqs * (steps + 64)),
+        "slot": SlotRunner(model, max_slots=n_seqs),
+    }
+    slots: dict[str, list[int]] = {}
+    for name, runner in runners.items():
+        # one prefill, shared with every row (contents do not change decode cost), then batched steps
+        slots[name] = rows = [runner.acquire() for _ in range(n_seqs)]
+        for i in range(0, context, CHUNK):
+            runner.step([(rows[0], i, ids[i:i + CHUNK])], [], [], [])
+        for s in rows[1:]:
+            runner.copy_prefix(s, rows[0], context)
+        runner.step([], rows, [context] * n_seqs, [ids[-1]] * n_seqs)  # warm-up step (allocations)
     # baseline: a contiguous HF cache per sequence, decoded one sequence at a time
     base = DynamicCache()
     model(input_ids=torch.tensor([ids[:-1]]), cache=base, use_cache=True)
     caches = [copy.deepcopy(base) for _ in range(n_seqs)]
     for c in caches:  # warm-up step
         model(input_ids=torch.tensor([[ids[-1]]]), cache=c, use_cache=True)
-    # interleaved, step by step: a shared machine's load changes over seconds and must hit both alike
-    engine_s = hf_s = 0.0
+    # interleaved, step by step: a shared machine's load changes over seconds and must hit all alike
+    seconds = {"paged": 0.0, "slot": 0.0, "hf": 0.0}
     for k in range(steps):
-        t0 = time.monotonic()
-        logits = runner.step([], slots, [context + 1 + k] * n_seqs, [ids[k]] * n_seqs)[1]
-        assert logits is not None
-        engine_s += time.monotonic() - t0
+        for name, runner in runners.items():
+            t0 = time.monotonic()
+            logits = runner.step([], slots[name], [context + 1 + k] * n_seqs, [ids[k]] * n_seqs)[1]
+            assert logits is not None
+            seconds[name] += time.monotonic() - t0
         t0 = time.monotonic()
         for c in caches:
             model(input_ids=torch.tensor([[ids[k]]]), cache=c, use_cache=True)
-        hf_s += time.monotonic() - t0
-    engine_bytes = runner.cache_bytes() // n_seqs
-    per_token = 2 * int(model.config.num_hidden_layers) * int(model.config.num_key_value_heads) * \
-        (int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)) * \
-        next(model.parameters()).element_size()
+        seconds["hf"] += time.monotonic() - t0
+    paged: Any = runners["paged"]
+    per_token = paged.bytes_per_token()
     tokens = n_seqs * steps
+    rate = {name: tokens / s for name, s in seconds.items()}
     return {
         "sequences": n_seqs, "context": context, "steps": steps,
-        "engine_tokens_per_s": round(tokens / engine_s, 1), "hf_tokens_per_s": round(tokens / hf_s, 1),
-        "paged_decode_speedup": (tokens / engine_s) / (tokens / hf_s),
-        "kv_bytes_per_seq_engine": engine_bytes,
+        "engine_tokens_per_s": round(rate["paged"], 1), "slot_tokens_per_s": round(rate["slot"], 1),
+        "hf_tokens_per_s": round(rate["hf"], 1),
+        "paged_decode_speedup": rate["paged"] / rate["hf"],
+        "paged_over_slot": rate["paged"] / rate["slot"],
+        "kv_bytes_per_seq_engine": paged.used_blocks * paged.block_size * per_token // n_seqs,
+        "kv_bytes_per_seq_slot": runners["slot"].cache_bytes() // n_seqs,
         "kv_bytes_per_seq_hf": per_token * (context + steps + 1),
-        "note": "engine = the slot cache (capacity doubling; not yet paged blocks); baseline = HF past_key_values "
-                "per sequence, sequences decoded one after another",
+        "note": "engine = the paged store (blocks in use x block size, the shared prompt's blocks counted once); "
+                "slot = a preallocated row per sequence (capacity doubling); baseline = HF past_key_values per "
+                "sequence (the naive contiguous cache), sequences decoded one after another",
     }
 
 
@@ -259,11 +277,35 @@ async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, 
         out[f"example_{name}"] = texts[0]
         out[f"strict_format_{name}"] = sum(longdoc_format(t) for t in texts) / n
         completions[name] = texts
+        out[f"answer_logprob_{name}"] = _answer_logprob(model, prompts, [f"Answer: {a}" for _, a in tasks], tok, **kw)
     out["sparse_accuracy_delta"] = out["accuracy_window"] - out["accuracy_full"]
+    # a continuous accuracy signal: the log-likelihood of the right answer line, teacher-forced
+    out["answer_logprob_delta"] = out["answer_logprob_window"] - out["answer_logprob_full"]
     # a signal even where the model scores 0 either way: how often the window changes the greedy answer
     out["sparse_output_agreement"] = sum(a == b for a, b in zip(completions["full"], completions["window"])) / n
     out["sparse_speed_ratio"] = out["seconds_full"] / out["seconds_window"]
     return out
+
+
+@torch.inference_mode()
+def _answer_logprob(model: Any, prompts: list[list[int]], targets: list[str], tok: Any, **window: Any) -> float:
+    """Mean log-probability per token of each task's right answer line after its prompt (teacher-forced)."""
+    from actors.inference.local.runner import PagedRunner
+
+    total, count = 0.0, 0
+    for prompt, target in zip(prompts, targets):
+        answer = tok.encode(target, add_special_tokens=False)
+        runner = PagedRunner(model, max_seqs=1, max_tokens=len(prompt) + len(answer) + 32, **window)
+        seq = runner.acquire()
+        logits = None
+        for i in range(0, len(prompt), CHUNK):
+            logits = runner.prefill(seq, i, prompt[i:i + CHUNK])
+        for k, token in enumerate(answer):
+            assert logits is not None
+            total += float(torch.log_softmax(logits.float(), dim=-1)[token])
+            count += 1
+            logits = runner.decode([seq], [len(prompt) + k], [token])[0]
+    return round(total / max(1, count), 4)
 
 
 # ------------------------------------------------------------------------ main
@@ -296,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         group_tokens, decode_n, decode_ctx, decode_steps, sparse_n, sparse_tokens, window = 1000, 8, 1000, 8, 3, 1000, 256
         tier_n, tier_tokens = 3, 500
     else:
-        group_tokens, decode_n, decode_ctx, decode_steps, sparse_n, sparse_tokens, window = 2000, 32, 4000, 16, 16, 4000, 1024
+        group_tokens, decode_n, decode_ctx, decode_steps, sparse_n, sparse_tokens, window = 2000, 32, 4000, 16, 8, 7500, 1024
         tier_n, tier_tokens = 8, 2000
     sinks = 4
     t_start = time.monotonic()
@@ -333,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "sparse_accuracy_delta": sparse["sparse_accuracy_delta"],
         "sparse_speed_ratio": sparse["sparse_speed_ratio"],
         "sparse_output_agreement": sparse["sparse_output_agreement"],
+        "answer_logprob_delta": sparse["answer_logprob_delta"],
         "details": {"group": group, "decode": decode, "kv_budget": budget, "int8_tier": tier, "sparse": sparse},
         "seconds": round(time.monotonic() - t_start, 1),
     }
@@ -346,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
          f"the same group again: {group['prefix_cache_hits']} prefix-cache hits (last prompt token: a decode row)"),
         ("paged_decode_speedup", f"{decode['paged_decode_speedup']:.2f}x",
          f"{decode['engine_tokens_per_s']} vs {decode['hf_tokens_per_s']} tok/s, {decode['sequences']} seqs x "
-         f"{decode['context']} ctx; KV/seq {decode['kv_bytes_per_seq_engine'] / 2**20:.0f} MiB engine, "
+         f"{decode['context']} ctx; {decode['paged_over_slot']:.2f}x the slot store ({decode['slot_tokens_per_s']} tok/s); "
+         f"KV/seq {decode['kv_bytes_per_seq_engine'] / 2**20:.1f} MiB paged, "
+         f"{decode['kv_bytes_per_seq_slot'] / 2**20:.0f} MiB slot, "
          f"{decode['kv_bytes_per_seq_hf'] / 2**20:.0f} MiB HF"),
         ("max_context_tokens", f"{budget[f'max_context_tokens_{args.dtype}']:,}",
          f"16 GiB / {budget['kv_bytes_per_token'][args.dtype]} B/token ({args.dtype}), no tier"),
@@ -362,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
          f"{sparse['strict_format_window']:.2f} vs {sparse['strict_format_full']:.2f}"),
         ("sparse_output_agreement", f"{sparse['sparse_output_agreement']:.3f}",
          "fraction of tasks whose greedy completion is identical with the window and without"),
+        ("answer_logprob_delta", f"{sparse['answer_logprob_delta']:+.3f}",
+         f"nats/token of the right 'Answer: ...' line, teacher-forced: window {sparse['answer_logprob_window']} vs "
+         f"full {sparse['answer_logprob_full']}"),
         ("sparse_speed_ratio", f"{sparse['sparse_speed_ratio']:.2f}x",
          f"{sparse['seconds_full']}s full / {sparse['seconds_window']}s windowed"),
     ]

@@ -43,6 +43,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--prefix-cache-int8-tokens", type=int, default=0,
                        help="a second, int8-compressed tier of the prefix cache: tokens evicted from the first are "
                             "quantised and kept this many more; 0: none (default: 0)")
+    serve.add_argument("--kv-cache", choices=["paged", "slot"], default="paged",
+                       help="KV store: paged (fixed-size blocks, a block table per sequence, shared prefix blocks, "
+                            "a radix tree of retained prefixes) or slot (a preallocated row per sequence) "
+                            "(default: paged)")
+    serve.add_argument("--kv-cache-tokens", type=int, default=65536,
+                       help="paged: the KV pool's bound in tokens (memory: this x the KV bytes per token); a request "
+                            "waits until its worst case (input + max_new_tokens) fits (default: 65536)")
+    serve.add_argument("--kv-block-size", type=int, default=16, help="paged: tokens per KV block (default: 16)")
     serve.add_argument("--attention-window", type=int, default=None,
                        help="sliding-window attention over the last N positions (default: full attention)")
     serve.add_argument("--attention-sinks", type=int, default=0,
@@ -97,6 +105,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout inference serve: --prefix-cache-int8-tokens must be >= 0, got {args.prefix_cache_int8_tokens}",
               file=sys.stderr)
         return 2
+    if args.kv_block_size < 1 or args.kv_cache_tokens < args.kv_block_size:
+        print(f"rollout inference serve: --kv-block-size must be >= 1 and --kv-cache-tokens at least one block, got "
+              f"--kv-block-size {args.kv_block_size} --kv-cache-tokens {args.kv_cache_tokens}", file=sys.stderr)
+        return 2
     if args.attention_window is not None and args.attention_window < 1:
         print(f"rollout inference serve: --attention-window must be at least 1, got {args.attention_window}",
               file=sys.stderr)
@@ -134,6 +146,9 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefix_cache_int8_tokens=args.prefix_cache_int8_tokens,
+        kv_cache=args.kv_cache,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_block_size=args.kv_block_size,
         attention_window=args.attention_window,
         attention_sinks=args.attention_sinks,
         seed=args.seed,

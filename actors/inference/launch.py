@@ -63,7 +63,8 @@ class LocalServer:
                  max_batch: int = 64, chunk_size: int = 512, torch_threads: int = 1,
                  startup_timeout_s: float = 120.0, api_key: str | None = None, dtype: str = "fp32",
                  prefix_cache_tokens: int = 8192, attention_window: int | None = None,
-                 attention_sinks: int = 0, prefix_cache_int8_tokens: int = 0, backend: str = "local") -> None:
+                 attention_sinks: int = 0, prefix_cache_int8_tokens: int = 0, backend: str = "local",
+                 kv_cache: str = "paged", kv_cache_tokens: int = 65536) -> None:
         self.model_dir = str(model_dir)
         self.api_key = api_key
         self.log_path = Path(log_path)
@@ -73,6 +74,8 @@ class LocalServer:
         self.dtype = dtype
         self.prefix_cache_tokens = prefix_cache_tokens
         self.prefix_cache_int8_tokens = prefix_cache_int8_tokens
+        self.kv_cache = kv_cache
+        self.kv_cache_tokens = kv_cache_tokens
         self.backend = backend
         self.attention_window = attention_window
         self.attention_sinks = attention_sinks
@@ -93,6 +96,8 @@ class LocalServer:
                 "--chunk-size", str(self.chunk_size), "--torch-threads", str(self.torch_threads),
                 "--dtype", self.dtype, "--prefix-cache-tokens", str(self.prefix_cache_tokens),
                 "--prefix-cache-int8-tokens", str(self.prefix_cache_int8_tokens), "--backend", self.backend]
+        if self.backend == "local":
+            argv += ["--kv-cache", self.kv_cache, "--kv-cache-tokens", str(self.kv_cache_tokens)]
         if self.attention_window is not None:
             argv += ["--attention-window", str(self.attention_window), "--attention-sinks", str(self.attention_sinks)]
         env = dict(os.environ)
@@ -164,7 +169,8 @@ def launch_local(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalS
     return LocalServer(model_dir, log_path=run_dir / "logs" / "inference-server.log", max_batch=cfg.max_batch,
                        dtype=cfg.dtype, api_key=cfg.resolved_api_key(), prefix_cache_tokens=cfg.prefix_cache_tokens,
                        attention_window=cfg.attention_window, attention_sinks=cfg.attention_sinks,
-                       prefix_cache_int8_tokens=cfg.prefix_cache_int8_tokens)
+                       prefix_cache_int8_tokens=cfg.prefix_cache_int8_tokens, kv_cache=cfg.kv_cache,
+                       kv_cache_tokens=cfg.kv_cache_tokens)
 
 
 def launch_sim(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalServer:

@@ -9,7 +9,7 @@ import torch
 
 from actors.inference.local.engine import LocalEngine, Sequence
 from actors.inference.local.protocol import BadRequest, SamplingParams, ValidationFailed, parse_generate_request
-from actors.inference.local.runner import SlotRunner, UnsupportedModel
+from actors.inference.local.runner import PagedRunner, SlotRunner, UnsupportedModel
 from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
 
@@ -24,9 +24,17 @@ def model_and_tokenizer(request: pytest.FixtureRequest):  # type: ignore[no-unty
     return build_tiny_model(tiny_config(len(tok), attn_implementation=request.param), seed=0), tok
 
 
-def test_chunked_prefill_and_batched_decode_match_full_forward(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def _runner(kind: str, model, **kw):  # type: ignore[no-untyped-def]
+    """A small store that grows mid-test: slot capacity 4, or a paged pool of 3-token blocks starting at 2 blocks."""
+    if kind == "slot":
+        return SlotRunner(model, max_slots=8, initial_capacity=4, **kw)
+    return PagedRunner(model, max_seqs=8, max_tokens=3 * 64, block_size=3, initial_tokens=6, **kw)
+
+
+@pytest.mark.parametrize("kind", ["paged", "slot"])
+def test_chunked_prefill_and_batched_decode_match_full_forward(model_and_tokenizer, kind: str) -> None:  # type: ignore[no-untyped-def]
     model, tok = model_and_tokenizer
-    runner = SlotRunner(model, max_slots=8, initial_capacity=4)  # tiny capacity: the cache grows mid-test
+    runner = _runner(kind, model)
     prompts = [tok.encode(p) for p in ("def f(x):", "1+2=", "ls -la /tmp && echo hi", "a")]
     spare = runner.acquire()  # rows 1..4: the decode batch is not slots 0..B-1 (the index_select path)
     slots = [runner.acquire() for _ in prompts]
@@ -52,9 +60,10 @@ def test_chunked_prefill_and_batched_decode_match_full_forward(model_and_tokeniz
             assert torch.allclose(got, want, atol=1e-4)
 
 
-def test_copied_prefix_continues_like_the_source(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", ["paged", "slot"])
+def test_copied_prefix_continues_like_the_source(model_and_tokenizer, kind: str) -> None:  # type: ignore[no-untyped-def]
     model, tok = model_and_tokenizer
-    runner = SlotRunner(model, max_slots=4)
+    runner = _runner(kind, model)
     prompt = tok.encode("# write f: add 3\n")
     a, b = runner.acquire(), runner.acquire()
     want = runner.prefill(a, 0, prompt)
@@ -168,10 +177,11 @@ def test_parse_generate_request_normalises_and_validates() -> None:
     assert BadRequest("m").body() == {"error": {"message": "m"}}
 
 
-def test_packed_step_matches_full_forward(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", ["paged", "slot"])
+def test_packed_step_matches_full_forward(model_and_tokenizer, kind: str) -> None:  # type: ignore[no-untyped-def]
     """Prefill chunks of several sequences and decode rows in one packed pass give each its own logits."""
     model, tok = model_and_tokenizer
-    runner = SlotRunner(model, max_slots=8, initial_capacity=4)
+    runner = _runner(kind, model)
     prompts = [tok.encode(p) for p in ("def f(x):", "1+2=", "ls -la /tmp && echo hi")]
     slots = [runner.acquire() for _ in prompts]
     seqs = [list(p) for p in prompts]

@@ -38,4 +38,11 @@ def test_quick_run_on_the_fixture_writes_every_figure(tmp_path: Path, capsys: py
     assert tier["int8_bytes_per_token_measured"] < tier["hot_bytes_per_token"]
     assert 0.0 <= result["int8_output_agreement"] <= 1.0
     assert -1.0 <= result["sparse_accuracy_delta"] <= 1.0 and 0.0 <= result["sparse_output_agreement"] <= 1.0
+    sparse = result["details"]["sparse"]
+    assert sparse["answer_logprob_full"] < 0 and sparse["answer_logprob_window"] < 0
+    assert result["answer_logprob_delta"] == pytest.approx(sparse["answer_logprob_window"] - sparse["answer_logprob_full"], abs=1e-3)
+    decode = result["details"]["decode"]
+    # the group's prompt blocks are shared in the paged store, copied into every row of the slot store
+    assert decode["kv_bytes_per_seq_engine"] < decode["kv_bytes_per_seq_slot"]
+    assert decode["kv_bytes_per_seq_engine"] < decode["kv_bytes_per_seq_hf"]
     assert result["simulated"] is False

@@ -40,7 +40,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from actors.inference.local.prefix_cache import PrefixCache, common_prefix
 from actors.inference.local.protocol import BadRequest, SamplingParams
-from actors.inference.local.runner import SlotRunner
+from actors.inference.local.radix import BlockRadix
+from actors.inference.local.runner import KV_CACHES, PagedRunner, SlotRunner, build_runner
 
 __all__ = ["EngineStatistics", "LocalEngine", "Sequence", "WeightUpdateError"]
 
@@ -127,7 +128,16 @@ class EngineStatistics:
     kv_bytes_per_token: int = 0
     """KV cache bytes per cached token in the serving dtype (keys + values, every layer)."""
     kv_slot_bytes: int = 0
-    """Bytes the running sequences' slot cache has allocated."""
+    """Bytes the KV store has allocated (the paged pool, or the slot tensors)."""
+    kv_cache: str = "paged"
+    kv_block_size: int = 0
+    """Tokens per block of the paged pool (0: the slot store)."""
+    kv_blocks_total: int = 0
+    """The paged pool's bound in blocks (``kv_cache_tokens // kv_block_size``)."""
+    kv_blocks_used: int = 0
+    """Blocks held by running sequences and the prefix tree."""
+    kv_waiting_for_blocks: int = 0
+    """Requests queued because the pool cannot hold their worst case yet (admission control)."""
     prefix_cache_tokens: int = 0
     prefix_cache_bytes: int = 0
     prefix_cache_max_tokens: int = 0
@@ -172,6 +182,9 @@ class LocalEngine:
         prefix_sharing: bool = True,
         attention_window: int | None = None,
         attention_sinks: int = 0,
+        kv_cache: str = "paged",
+        kv_cache_tokens: int = 65536,
+        kv_block_size: int = 16,
     ) -> None:
         if max_batch < 1 or chunk_size < 1:
             raise ValueError("max_batch and chunk_size must be at least 1")
@@ -179,6 +192,8 @@ class LocalEngine:
             raise ValueError(f"prefix_cache_tokens must be >= 0 (0 disables the cache), got {prefix_cache_tokens}")
         if prefix_cache_int8_tokens < 0:
             raise ValueError(f"prefix_cache_int8_tokens must be >= 0 (0: no int8 tier), got {prefix_cache_int8_tokens}")
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {list(KV_CACHES)}, not {kv_cache!r}")
         if dtype not in SERVING_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, not {dtype!r}")
         # bf16 serving: weights and KV cache in bf16 (2-4x faster GEMMs on CPUs with avx512_bf16);
@@ -187,12 +202,22 @@ class LocalEngine:
         self.dtype = dtype
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = SlotRunner(model, max_slots=max_batch, attention_window=attention_window,
-                                 attention_sinks=attention_sinks)
+        self.runner: PagedRunner | SlotRunner = build_runner(
+            model, kv_cache, max_seqs=max_batch, kv_tokens=kv_cache_tokens, block_size=kv_block_size,
+            attention_window=attention_window, attention_sinks=attention_sinks)
         self.prefix_sharing = prefix_sharing
         """False: every sequence computes its whole prompt (no copies from running sequences or the cache)."""
-        self.prefix_cache = PrefixCache(prefix_cache_tokens if prefix_sharing else 0, self.runner.bytes_per_token(),
-                                        int8_tokens=prefix_cache_int8_tokens)
+        retained = prefix_cache_tokens if prefix_sharing else 0
+        self.radix: BlockRadix | None = None
+        """The paged store's retained prefix cache (a radix tree over blocks); None with the slot store."""
+        if isinstance(self.runner, PagedRunner):
+            # retained prefixes stay in the pool's blocks (the tree); the int8 tier below takes evicted ones
+            self.prefix_cache = PrefixCache(0, self.runner.bytes_per_token(), int8_only=True,
+                                            int8_tokens=prefix_cache_int8_tokens if retained else 0)
+            self.radix = BlockRadix(self.runner, retained,
+                                    on_evict=self._demote_blocks if self.prefix_cache.int8_max_tokens else None)
+        else:
+            self.prefix_cache = PrefixCache(retained, self.runner.bytes_per_token(), int8_tokens=prefix_cache_int8_tokens)
         self._epoch = 0  # bumped by every weight change: KV computed under another epoch is never reused
         self._shared_tokens = 0
         self.max_batch = max_batch
@@ -215,6 +240,7 @@ class LocalEngine:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._steps = self._decode_tokens = self._prefill_tokens = self._finished = 0
+        self._blocked = 0  # requests the last admission left queued for want of KV blocks
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -238,7 +264,18 @@ class LocalEngine:
 
     def statistics(self) -> EngineStatistics:
         cache = self.prefix_cache.statistics()
-        return EngineStatistics(
+        paged: dict[str, Any] = {"kv_cache": "slot"}
+        if self.radix is not None:
+            assert isinstance(self.runner, PagedRunner)
+            tree = self.radix.statistics()
+            paged = dict(
+                kv_cache="paged", kv_block_size=self.runner.block_size, kv_blocks_total=self.runner.max_blocks,
+                kv_blocks_used=self.runner.used_blocks, kv_waiting_for_blocks=self._blocked,
+                prefix_cache_tokens=tree.tokens, prefix_cache_bytes=tree.blocks * self.runner.block_size * self.runner.bytes_per_token(),
+                prefix_cache_max_tokens=tree.max_tokens, prefix_cache_lookups=tree.lookups + cache.lookups,
+                prefix_cache_hits=tree.hits + cache.hits, prefix_cache_hit_tokens=tree.hit_tokens + cache.hit_tokens,
+                prefix_cache_evicted_tokens=tree.evicted_tokens, prefix_cache_flushes=tree.flushes)
+        fields: dict[str, Any] = dict(
             running=len(self._running),
             waiting=len(self._waiting),
             paused=self._paused,
@@ -264,12 +301,16 @@ class LocalEngine:
             prefix_cache_int8_hits=cache.int8_hits,
             prefix_cache_int8_hit_tokens=cache.int8_hit_tokens,
         )
+        fields.update(paged)
+        return EngineStatistics(**fields)
 
     def flush_cache(self) -> bool:
         """Free the retained prefix cache; refused (False) while requests run or wait, as SGLang does."""
         if self._running or self._waiting:
             return False
         self.prefix_cache.clear()
+        if self.radix is not None:
+            self.radix.clear()
         return True
 
     def invalidate_prefix_cache(self) -> None:
@@ -280,6 +321,8 @@ class LocalEngine:
         """
         self._epoch += 1
         self.prefix_cache.clear()
+        if self.radix is not None:
+            self.radix.clear()
 
     @property
     def paused(self) -> bool:
@@ -296,6 +339,14 @@ class LocalEngine:
                 f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
                 f"({self.context_length} tokens)."
             )
+        if isinstance(self.runner, PagedRunner):
+            worst = self._worst_case_tokens(len(prompt_ids), params.max_new_tokens)
+            if self.runner.blocks_for(worst) > self.runner.max_blocks:
+                raise BadRequest(
+                    f"The request can need {worst} tokens of KV cache (input {len(prompt_ids)} + max_new_tokens "
+                    f"{params.max_new_tokens}), more than the server's KV pool holds "
+                    f"({self.runner.max_blocks * self.runner.block_size} tokens, --kv-cache-tokens); "
+                    f"lower max_new_tokens or raise the pool.")
         seq = Sequence(
             rid=rid or secrets.token_hex(16),
             prompt_ids=list(prompt_ids),
@@ -413,7 +464,11 @@ class LocalEngine:
             async with self._step_lock:
                 if self._paused:
                     continue
+                self._blocked = 0
                 while self._waiting and len(self._running) < self.max_batch:
+                    if not self._fits(self._waiting[0]):
+                        self._blocked = len(self._waiting)  # first come, first served: the head waits for blocks
+                        break
                     seq = self._waiting.popleft()
                     seq.slot = self.runner.acquire()
                     seq.kv_epoch = self._epoch
@@ -438,6 +493,41 @@ class LocalEngine:
                 for seq, result in sampled.items():
                     self._append(seq, result, version)
                 self._apply_aborts()
+
+    # ---------------------------------------------------------------- paged KV admission
+
+    def _worst_case_tokens(self, prompt: int, max_new_tokens: int) -> int:
+        return min(prompt + max_new_tokens, self.context_length)
+
+    def _future_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` may still allocate: its worst case minus the blocks its table holds."""
+        assert isinstance(self.runner, PagedRunner)
+        worst = self.runner.blocks_for(self._worst_case_tokens(len(seq.prompt_ids), seq.params.max_new_tokens))
+        held = len(self.runner.table(seq.slot)) if seq.slot is not None else 0
+        return max(0, worst - held)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Admission control of the paged store: admit ``seq`` only if every running sequence's worst case
+        and its own fit in the free blocks (evicting the prefix tree's unshared leaves if needed), so no
+        generation ever runs out of blocks mid-way; otherwise it waits in the queue."""
+        if not isinstance(self.runner, PagedRunner):
+            return True
+        need = self._future_blocks(seq) + sum(self._future_blocks(r) for r in self._running)
+        short = need - self.runner.free_blocks
+        if short <= 0:
+            return True
+        if self.radix is None or self.radix.evictable() < short:
+            return False
+        self.radix.evict(short)
+        return self.runner.free_blocks >= need
+
+    def _demote_blocks(self, tokens: list[int], blocks: list[int]) -> None:
+        """The prefix tree evicts a leaf: keep its whole prefix in the int8 tier."""
+        assert isinstance(self.runner, PagedRunner)
+        runner = self.runner
+        self.prefix_cache.store_int8(tokens, lambda n: runner.export_blocks(blocks, n), self._epoch)
+
+    # ---------------------------------------------------------------- planning
 
     def _plan(self) -> tuple[list[tuple[Sequence, list[int]]], list[Sequence]]:
         """This step's prefill chunks and decode rows; new sequences first take a shared prefix.
@@ -479,12 +569,41 @@ class LocalEngine:
                 best, source = n, other
         if seq.slot is None:
             return
+        if self.radix is not None:
+            self._share_paged(seq, best, source, limit)
+            return
         retained, kv = self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch) if best < limit else (0, None)
         if kv is not None and retained > best:
             self.runner.import_prefix(seq.slot, kv, retained)
             self.prefix_cache.record_hit(retained - seq.cached)
             seq.cached = seq.cached_tokens = retained
         elif source is not None and source.slot is not None:
+            self.runner.copy_prefix(seq.slot, source.slot, best)
+            self._shared_tokens += best - seq.cached
+            seq.cached = seq.cached_tokens = best
+
+    def _share_paged(self, seq: Sequence, best: int, source: Sequence | None, limit: int) -> None:
+        """Paged store: adopt the prefix tree's blocks, share a running sequence's, or restore from int8.
+
+        Only a sequence holding nothing yet restores from the int8 tier (new blocks): with blocks already
+        shared, replacing them could leave the pool short of what admission counted on.
+        """
+        assert self.radix is not None and seq.slot is not None
+        blocks, tail_block, tail = self.radix.match(seq.prompt_ids, limit) if best < limit else ([], -1, 0)
+        tree = len(blocks) * self.radix.block_size + tail
+        floor = max(best, tree, seq.cached)
+        cold, kv = (self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch, floor=floor)
+                    if seq.cached == 0 and floor < limit else (0, None))
+        if kv is not None and cold > floor:
+            self.runner.import_prefix(seq.slot, kv, cold)
+            self.prefix_cache.record_hit(cold)
+            seq.cached = seq.cached_tokens = cold
+        elif tree > best and tree > seq.cached:
+            assert isinstance(self.runner, PagedRunner)
+            self.runner.adopt(seq.slot, blocks, tail_block, tail)
+            self.radix.record_hit(tree - seq.cached)
+            seq.cached = seq.cached_tokens = tree
+        elif source is not None and source.slot is not None and best > seq.cached:
             self.runner.copy_prefix(seq.slot, source.slot, best)
             self._shared_tokens += best - seq.cached
             seq.cached = seq.cached_tokens = best
@@ -623,10 +742,16 @@ class LocalEngine:
 
     def _retain(self, seq: Sequence, slot: int) -> None:
         """Keep a leaving sequence's computed prefix in the prefix cache (same weights epoch only)."""
-        if not self.prefix_cache.enabled or seq.kv_epoch != self._epoch or seq.cached < 2:
+        if seq.kv_epoch != self._epoch or seq.cached < 2:
             return
         if seq.abort_message is not None and seq.abort_message.startswith("internal error"):
             return  # a failed step: its slot may hold half-written positions
+        if self.radix is not None:
+            assert isinstance(self.runner, PagedRunner)
+            self.radix.insert(seq.tokens()[: seq.cached], self.runner.table(slot))
+            return
+        if not self.prefix_cache.enabled:
+            return
         self.prefix_cache.insert(seq.tokens()[: seq.cached], lambda n: self.runner.export_prefix(slot, n), self._epoch)
 
     # ---------------------------------------------------------------- output

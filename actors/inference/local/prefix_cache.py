@@ -121,13 +121,18 @@ def _longest(entries: "OrderedDict[int, _Entry] | OrderedDict[int, _Int8Entry]",
 class PrefixCache:
     """A token-prefix -> KV store bounded in tokens, LRU-evicted; see the module docstring."""
 
-    def __init__(self, max_tokens: int, bytes_per_token: int, *, min_tokens: int = 2, int8_tokens: int = 0) -> None:
+    def __init__(self, max_tokens: int, bytes_per_token: int, *, min_tokens: int = 2, int8_tokens: int = 0,
+                 int8_only: bool = False) -> None:
+        """``int8_only``: no hot tier (``max_tokens`` 0); the paged store's prefix tree feeds the int8 tier
+        through :meth:`store_int8` and a hit leaves it (the sequence's blocks go back to the tree)."""
         if max_tokens < 0:
             raise ValueError(f"prefix cache max_tokens must be >= 0, got {max_tokens}")
         if int8_tokens < 0:
             raise ValueError(f"prefix cache int8_tokens must be >= 0 (0: no int8 tier), got {int8_tokens}")
         self.max_tokens = max_tokens
-        self.int8_max_tokens = int8_tokens if max_tokens > 0 else 0
+        if int8_only and max_tokens:
+            raise ValueError("an int8-only prefix cache has no hot tier: max_tokens must be 0")
+        self.int8_max_tokens = int8_tokens if (max_tokens > 0 or int8_only) else 0
         self._cold: OrderedDict[int, _Int8Entry] = OrderedDict()
         self._cold_tokens = 0
         self._cold_hits = self._cold_hit_tokens = 0
@@ -142,8 +147,8 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.max_tokens > 0
 
-    def lookup(self, tokens: list[int], limit: int, epoch: int) -> tuple[int, torch.Tensor | None]:
-        """The longest cached prefix of ``tokens`` (at most ``limit`` long) of this ``epoch``: ``(n, kv)``.
+    def lookup(self, tokens: list[int], limit: int, epoch: int, *, floor: int = 0) -> tuple[int, torch.Tensor | None]:
+        """The longest cached prefix of ``tokens`` (at most ``limit``, more than ``floor`` long) of ``epoch``: ``(n, kv)``.
 
         ``kv`` holds at least ``n`` positions (slice it); ``(0, None)`` on a miss. A hit counts in the
         statistics only once the caller uses it (:meth:`record_hit`).
@@ -151,7 +156,7 @@ class PrefixCache:
         if not (self._entries or self._cold) or limit < 1:
             return 0, None
         self._lookups += 1
-        best, best_id = _longest(self._entries, tokens, limit, epoch, 0)
+        best, best_id = _longest(self._entries, tokens, limit, epoch, floor)
         cold_best, cold_id = _longest(self._cold, tokens, limit, epoch, best)
         if cold_id is not None and cold_best >= self.min_tokens:
             return cold_best, self._promote(cold_id, cold_best)
@@ -167,7 +172,8 @@ class PrefixCache:
         self._cold_hits += 1
         self._cold_hit_tokens += used
         kv = dequantize_int8(cold.q, cold.scale, cold.dtype)
-        self._store_hot(cold.tokens, kv, cold.epoch)
+        if self.max_tokens > 0:
+            self._store_hot(cold.tokens, kv, cold.epoch)
         return kv
 
     def record_hit(self, tokens: int) -> None:
@@ -210,13 +216,38 @@ class PrefixCache:
         """Evict a hot entry: into the int8 tier when it has one (and the entry fits), else dropped."""
         entry = self._entries[key]
         self._drop(key)
-        n = len(entry.tokens)
+        self._store_cold(key, entry.tokens, entry.kv, entry.epoch)
+
+    def store_int8(self, tokens: list[int], export: Callable[[int], torch.Tensor], epoch: int) -> bool:
+        """Keep ``tokens``' KV (``export(n)`` copies it out) in the int8 tier; False when not stored.
+
+        Not stored when an int8 entry already holds it (as a prefix); entries it holds are dropped.
+        """
+        n = len(tokens)
+        if n < self.min_tokens or n > self.int8_max_tokens:
+            return False
+        for key, cold in list(self._cold.items()):
+            if cold.epoch != epoch:
+                self._drop_cold(key)
+                continue
+            shared = common_prefix(tokens, cold.tokens)
+            if shared == n:
+                self._cold.move_to_end(key)
+                return False
+            if shared == len(cold.tokens):
+                self._drop_cold(key)
+        self._store_cold(self._next_id, list(tokens), export(n), epoch)
+        self._next_id += 1
+        return True
+
+    def _store_cold(self, key: int, tokens: list[int], kv: torch.Tensor, epoch: int) -> None:
+        n = len(tokens)
         if n > self.int8_max_tokens:
             return
         while self._cold and self._cold_tokens + n > self.int8_max_tokens:
             self._drop_cold(next(iter(self._cold)))
-        q, scale = quantize_int8(entry.kv)
-        self._cold[key] = _Int8Entry(entry.tokens, q, scale, entry.kv.dtype, entry.epoch)
+        q, scale = quantize_int8(kv)
+        self._cold[key] = _Int8Entry(tokens, q, scale, kv.dtype, epoch)
         self._cold_tokens += n
 
     def _drop_cold(self, key: int) -> None:

@@ -61,6 +61,12 @@ class ServerConfig:
     dtype: str = "fp32"
     prefix_cache_tokens: int = 8192
     """Tokens of finished sequences' KV kept for reuse (the retained prefix cache); 0 disables it."""
+    kv_cache: str = "paged"
+    """The KV store: ``paged`` (blocks, block tables, prefix tree) or ``slot`` (a row per sequence)."""
+    kv_cache_tokens: int = 65536
+    """Paged store: the pool's bound in tokens (x the KV bytes per token); requests queue when it is full."""
+    kv_block_size: int = 16
+    """Paged store: tokens per block."""
     prefix_cache_int8_tokens: int = 0
     """Tokens of the prefix cache's int8 tier (entries evicted from the hot tier, quantised); 0: none."""
     attention_window: int | None = None
@@ -506,6 +512,9 @@ async def _load_engine(state: _State) -> None:
         dtype=config.dtype,
         prefix_cache_tokens=config.prefix_cache_tokens,
         prefix_cache_int8_tokens=config.prefix_cache_int8_tokens,
+        kv_cache=config.kv_cache,
+        kv_cache_tokens=config.kv_cache_tokens,
+        kv_block_size=config.kv_block_size,
         attention_window=config.attention_window,
         attention_sinks=config.attention_sinks,
         weight_version=config.weight_version,

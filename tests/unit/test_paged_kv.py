@@ -1,0 +1,194 @@
+"""The paged KV store: block tables, shared prefix blocks, the radix tree over blocks, admission on free blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from actors.inference.local.engine import LocalEngine, Sequence
+from actors.inference.local.protocol import BadRequest, SamplingParams
+from actors.inference.local.radix import BlockRadix
+from actors.inference.local.runner import OutOfBlocks, PagedRunner
+from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tok():  # type: ignore[no-untyped-def]
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):  # type: ignore[no-untyped-def]
+    return build_tiny_model(tiny_config(len(tok)), seed=0)
+
+
+async def _finish(seq: Sequence) -> Sequence:
+    async with asyncio.timeout(60):
+        while not seq.finished:
+            await seq.wait_changed()
+    return seq
+
+
+# ------------------------------------------------------------------------ the runner's blocks
+
+
+def test_blocks_are_shared_reference_counted_and_bounded(model) -> None:  # type: ignore[no-untyped-def]
+    runner = PagedRunner(model, max_seqs=4, max_tokens=4 * 8, block_size=4, initial_tokens=4)
+    a, b = runner.acquire(), runner.acquire()
+    runner.prefill(a, 0, list(range(10, 20)))  # 10 tokens: blocks 0..2 (the last one half full)
+    assert len(runner.table(a)) == 3 and runner.free_blocks == 5
+    runner.copy_prefix(b, a, 10)
+    shared, own = runner.table(b)[:2], runner.table(b)[2]
+    assert shared == runner.table(a)[:2] and own != runner.table(a)[2]  # full blocks shared, the partial one copied
+    assert [runner.refcount(x) for x in shared] == [2, 2] and runner.free_blocks == 4
+    for layer in range(len(runner.k)):  # the copied half block holds the source's keys and values
+        src, dst = runner.table(a)[2] * 4, own * 4
+        assert torch.equal(runner.k[layer][dst:dst + 2], runner.k[layer][src:src + 2])
+    runner.release(a)
+    assert [runner.refcount(x) for x in shared] == [1, 1] and runner.free_blocks == 5  # a's own block came back
+    c = runner.acquire()
+    with pytest.raises(OutOfBlocks, match="8 KV blocks"):
+        runner.prefill(c, 0, list(range(30)))  # 8 blocks wanted, 5 free
+    runner.release(b)
+    runner.release(c)
+    assert runner.free_blocks == runner.max_blocks == 8  # nothing leaked
+
+
+def test_radix_tree_matches_to_the_token_evicts_lru_and_releases_everything(model) -> None:  # type: ignore[no-untyped-def]
+    runner = PagedRunner(model, max_seqs=4, max_tokens=4 * 16, block_size=4)
+    tree = BlockRadix(runner, max_tokens=4 * 16)
+    seq = runner.acquire()
+    tokens = list(range(1, 11))  # 2 full blocks + 2 tokens
+    runner.prefill(seq, 0, tokens)
+    table = runner.table(seq)
+    assert tree.insert(tokens, table) == 3 and tree.tokens == 10 and tree.blocks == 3
+    runner.release(seq)
+    assert runner.used_blocks == 3  # the tree holds them now
+    blocks, tail_block, tail = tree.match(tokens + [99], limit=10)
+    assert (blocks, tail_block, tail) == (table[:2], table[2], 2)
+    assert tree.match(tokens[:6] + [77, 78], limit=8) == (table[:1], table[1], 2)  # 1 full block + 2 tokens of the next
+    assert tree.match([5, 5, 5, 5], limit=4) == ([], -1, 0)
+    assert tree.match(tokens, limit=5) == (table[:1], table[1], 1)  # never more than the limit
+    # a second prefix; then memory pressure: LRU leaves that nothing else holds go first
+    other = runner.acquire()
+    runner.prefill(other, 0, [50, 51, 52, 53, 54, 55, 56, 57])
+    tree.insert([50, 51, 52, 53, 54, 55, 56, 57], runner.table(other))
+    tree.match(tokens, limit=10)  # the first prefix is now the most recently used
+    assert tree.evictable() == 3  # other's blocks are shared with a running sequence: evicting them frees nothing
+    assert tree.evict(1) == 1 and tree.match(tokens, limit=10)[2] == 0  # the first prefix's tail leaf went
+    runner.release(other)
+    assert tree.evictable() == 4
+    assert tree.clear() == 8 + 8 and runner.free_blocks == runner.max_blocks  # nothing leaked
+
+
+def test_the_trees_own_bound_evicts_and_feeds_the_int8_tier(model) -> None:  # type: ignore[no-untyped-def]
+    runner = PagedRunner(model, max_seqs=2, max_tokens=4 * 16, block_size=4)
+    evicted: list[tuple[list[int], list[int]]] = []
+    tree = BlockRadix(runner, max_tokens=8, on_evict=lambda t, b: evicted.append((t, b)))  # 2 blocks at most
+    seq = runner.acquire()
+    runner.prefill(seq, 0, list(range(12)))
+    table = runner.table(seq)
+    tree.insert(list(range(12)), table)
+    assert tree.blocks == 2 and evicted == [(list(range(12)), table)]  # the deepest leaf, with its whole prefix
+    runner.release(seq)
+    tree.clear()
+    assert runner.free_blocks == runner.max_blocks
+
+
+# ------------------------------------------------------------------------ in the engine
+
+
+@pytest.mark.anyio
+async def test_requests_queue_for_blocks_and_produce_what_a_large_pool_produces(model, tok) -> None:  # type: ignore[no-untyped-def]
+    prompts = [tok.encode(f"# job {i}: add {i} and {i + 1}\n$ ") for i in range(6)]
+    outputs = {}
+    for pool in (4096, 64):  # 64 tokens: one request's worst case (about 30 tokens) at a time, then two
+        engine = LocalEngine(model, tok, max_batch=6, chunk_size=8, kv_cache_tokens=pool, kv_block_size=4)
+        await engine.start()
+        waited = 0
+        try:
+            seqs = [engine.submit(p, GREEDY) for p in prompts]
+            while not all(s.finished for s in seqs):
+                waited = max(waited, engine.statistics().kv_waiting_for_blocks)
+                await next(s for s in seqs if not s.finished).wait_changed()  # the next token or finish
+            outputs[pool] = [s.output_ids for s in seqs]
+            assert all(s.finish_reason == {"type": "length", "length": 10} for s in seqs)
+            stats = engine.statistics()
+            assert stats.kv_blocks_total == pool // 4
+            assert engine.flush_cache() and engine.statistics().kv_blocks_used == 0  # every block came back
+        finally:
+            await engine.aclose()
+        assert (waited > 0) == (pool == 64)
+    assert outputs[64] == outputs[4096]
+
+
+@pytest.mark.anyio
+async def test_a_request_that_can_never_fit_is_refused(model, tok) -> None:  # type: ignore[no-untyped-def]
+    engine = LocalEngine(model, tok, kv_cache_tokens=64, kv_block_size=16)
+    with pytest.raises(BadRequest, match=r"--kv-cache-tokens.*lower max_new_tokens"):
+        engine.submit(tok.encode("hello"), SamplingParams(max_new_tokens=100))
+    await engine.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_group_shares_its_prompt_blocks(model, tok) -> None:  # type: ignore[no-untyped-def]
+    prompt = tok.encode("# goal: create a.txt containing hi, then list the directory\n$ ")
+    engine = LocalEngine(model, tok, max_batch=8, chunk_size=512, kv_block_size=4)
+    await engine.start()
+    try:
+        params = [SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True, sampling_seed=i) for i in range(8)]
+        group = [engine.submit(prompt, p) for p in params]
+        while not all(s.output_ids for s in group):
+            await group[0].wait_changed()
+        runner = engine.runner
+        assert isinstance(runner, PagedRunner)
+        full = (len(prompt) - 1) // 4
+        tables = [runner.table(s.slot) for s in group if s.slot is not None and not s.finished]
+        assert len(tables) == 8 and all(t[:full] == tables[0][:full] for t in tables)  # the same pool blocks
+        assert all(runner.refcount(b) >= 8 for b in tables[0][:full])
+        await asyncio.gather(*(_finish(s) for s in group))
+    finally:
+        await engine.aclose()
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_cascade_decode_over_a_shared_prefix_matches_the_full_forward(model, tok, consecutive: bool) -> None:  # type: ignore[no-untyped-def]
+    """Rows sharing prompt blocks attend to them together (one read) and to their own keys after: same logits."""
+    runner = PagedRunner(model, max_seqs=6, max_tokens=4 * 256, block_size=4)
+    runner.CASCADE_MIN_TOKENS = 8
+    prompt = tok.encode("# a shared prompt, long enough for a few blocks: sum 1..9\n$ ")
+    spare = runner.acquire()
+    first = runner.acquire()
+    if not consecutive:  # interleave the prompt's blocks with another sequence's: the shared keys are gathered
+        for i in range(0, len(prompt), 4):
+            runner.prefill(first, i, prompt[i:i + 4])
+            runner.prefill(spare, i, prompt[i:i + 4])
+    else:
+        runner.prefill(first, 0, prompt)
+    rows = [first] + [runner.acquire() for _ in range(3)]
+    for r in rows[1:]:
+        runner.copy_prefix(r, first, len(prompt) - 1)
+    seqs = [list(prompt[:-1]) for _ in rows]
+    toks = [prompt[-1]] * len(rows)
+    # row 0 computed its last prompt token already: it decodes the same token again at its own position
+    logits = None
+    for step in range(3):
+        for s, t in zip(seqs, toks):
+            s.append(t)
+        assert len(runner._cascade_groups([runner.table(r) for r in rows])) == 1
+        logits = runner.decode(rows, [len(s) - 1 for s in seqs], toks)
+        toks = [int(torch.argmax(row)) if i % 2 == 0 else (7 + i + step) for i, row in enumerate(logits)]
+    assert logits is not None
+    with torch.no_grad():
+        for s, got in zip(seqs, logits):
+            want = model(input_ids=torch.tensor([s])).logits[0, -1]
+            assert torch.allclose(got, want, atol=1e-4)
