@@ -239,9 +239,11 @@ class LearnerActor(Actor):
             self._last_step_end = time.monotonic()
             if span.is_recording():
                 self._trace_step(span, report, offered)
-        log.info("%s: %sstep %d (judged at v%d): trained %d, stale %d, filtered %d, dup %d, loss %.4f",
-                 self.name, "SIMULATED " if self.cfg.simulate else "", report.step, report.version, len(report.trained), len(report.dropped_stale),
-                 len(report.filtered), report.duplicates, report.metrics.get("loss", float("nan")))
+        loss = report.metrics.get("loss")
+        log.info("%s: %sstep %d (judged at v%d): trained %d, stale %d, filtered %d, dup %d, loss %s",
+                 self.name, "SIMULATED " if self.cfg.simulate else "", report.step, report.version, len(report.trained),
+                 len(report.dropped_stale), len(report.filtered), report.duplicates,
+                 f"{loss:.4f}" if isinstance(loss, (int, float)) else "none (no gradient step)")
         if self.on_step is not None:
             self.on_step(report)
 

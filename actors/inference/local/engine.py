@@ -271,7 +271,7 @@ class LocalEngine:
             paged = dict(
                 kv_cache="paged", kv_block_size=self.runner.block_size, kv_blocks_total=self.runner.max_blocks,
                 kv_blocks_used=self.runner.used_blocks, kv_waiting_for_blocks=self._blocked,
-                prefix_cache_tokens=tree.tokens, prefix_cache_bytes=tree.blocks * self.runner.block_size * self.runner.bytes_per_token(),
+                prefix_cache_tokens=tree.tokens, prefix_cache_bytes=tree.bytes,
                 prefix_cache_max_tokens=tree.max_tokens, prefix_cache_lookups=tree.lookups + cache.lookups,
                 prefix_cache_hits=tree.hits + cache.hits, prefix_cache_hit_tokens=tree.hit_tokens + cache.hit_tokens,
                 prefix_cache_evicted_tokens=tree.evicted_tokens, prefix_cache_flushes=tree.flushes)

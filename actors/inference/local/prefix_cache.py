@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -118,6 +119,28 @@ def _longest(entries: "OrderedDict[int, _Entry] | OrderedDict[int, _Int8Entry]",
     return best, best_id
 
 
+_AnyEntry = TypeVar("_AnyEntry", "_Entry", "_Int8Entry")
+
+
+def _held(entries: "OrderedDict[int, _AnyEntry]", tokens: list[int], epoch: int,
+          drop: Callable[[int], None]) -> bool:
+    """Whether an entry of ``entries`` already holds ``tokens`` (as a prefix; refreshed if so).
+
+    On the way, entries of another epoch and entries that ``tokens`` holds (it supersedes them) are dropped.
+    """
+    for key, entry in list(entries.items()):
+        if entry.epoch != epoch:
+            drop(key)
+            continue
+        shared = common_prefix(tokens, entry.tokens)
+        if shared == len(tokens):  # already held inside a longer (or equal) entry
+            entries.move_to_end(key)
+            return True
+        if shared == len(entry.tokens):  # the new entry supersedes this one
+            drop(key)
+    return False
+
+
 class PrefixCache:
     """A token-prefix -> KV store bounded in tokens, LRU-evicted; see the module docstring."""
 
@@ -186,16 +209,8 @@ class PrefixCache:
         n = len(tokens)
         if n < self.min_tokens or n > self.max_tokens:
             return False
-        for key, entry in list(self._entries.items()):
-            if entry.epoch != epoch:
-                self._drop(key)
-                continue
-            shared = common_prefix(tokens, entry.tokens)
-            if shared == n:  # already held inside a longer (or equal) entry
-                self._entries.move_to_end(key)
-                return False
-            if shared == len(entry.tokens):  # the new entry supersedes this one
-                self._drop(key)
+        if _held(self._entries, tokens, epoch, self._drop):
+            return False
         for key, cold in list(self._cold.items()):  # the int8 copies this entry supersedes or contains
             if cold.epoch != epoch or common_prefix(tokens, cold.tokens) == len(cold.tokens):
                 self._drop_cold(key)
@@ -226,16 +241,8 @@ class PrefixCache:
         n = len(tokens)
         if n < self.min_tokens or n > self.int8_max_tokens:
             return False
-        for key, cold in list(self._cold.items()):
-            if cold.epoch != epoch:
-                self._drop_cold(key)
-                continue
-            shared = common_prefix(tokens, cold.tokens)
-            if shared == n:
-                self._cold.move_to_end(key)
-                return False
-            if shared == len(cold.tokens):
-                self._drop_cold(key)
+        if _held(self._cold, tokens, epoch, self._drop_cold):
+            return False
         self._store_cold(self._next_id, list(tokens), export(n), epoch)
         self._next_id += 1
         return True

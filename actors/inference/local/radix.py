@@ -22,10 +22,10 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from actors.inference.local.prefix_cache import common_prefix
+from actors.inference.local.prefix_cache import PrefixCacheStatistics, common_prefix
 from actors.inference.local.runner import PagedRunner
 
-__all__ = ["BlockRadix", "RadixStatistics"]
+__all__ = ["BlockRadix"]
 
 
 @dataclass(eq=False)
@@ -46,19 +46,6 @@ class _Node:
             blocks.append(node.block)
             node = node.parent
         return keys[::-1], blocks[::-1]
-
-
-@dataclass(frozen=True)
-class RadixStatistics:
-    nodes: int
-    tokens: int
-    blocks: int
-    max_tokens: int
-    lookups: int
-    hits: int
-    hit_tokens: int
-    evicted_tokens: int
-    flushes: int
 
 
 class BlockRadix:
@@ -221,7 +208,10 @@ class BlockRadix:
         self._flushes += 1
         return held
 
-    def statistics(self) -> RadixStatistics:
-        return RadixStatistics(nodes=self._nodes, tokens=self.tokens, blocks=self._nodes, max_tokens=self.max_nodes * self.block_size,
-                               lookups=self._lookups, hits=self._hits, hit_tokens=self._hit_tokens,
-                               evicted_tokens=self._evicted, flushes=self._flushes)
+    def statistics(self) -> PrefixCacheStatistics:
+        """The tree's counters; ``entries`` are its nodes, ``bytes`` the whole blocks they hold."""
+        return PrefixCacheStatistics(
+            entries=self._nodes, tokens=self.tokens,
+            bytes=self._nodes * self.block_size * self.runner.bytes_per_token(),
+            max_tokens=self.max_nodes * self.block_size, lookups=self._lookups, hits=self._hits,
+            hit_tokens=self._hit_tokens, evicted_tokens=self._evicted, flushes=self._flushes)
