@@ -124,6 +124,7 @@ class SandboxPool:
         self._creating = 0
         self.max_starting = max_starting
         self._prewarm = asyncio.Semaphore(max_starting)
+        self._wakers: set[asyncio.Future[None]] = set()
         self._cond = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []  # the reaper and the trimmer
         self._closed = False
@@ -152,9 +153,17 @@ class SandboxPool:
             self._push_idle(sandbox)
             self._cond.notify()
 
-    async def _notify_one(self) -> None:
-        async with self._cond:
-            self._cond.notify()
+    def _wake_one(self) -> None:
+        """Wake one waiting checkout, without awaiting here (so a cancelled checkout cannot lose the wake-up
+        or a sandbox it already counted)."""
+
+        async def notify() -> None:
+            async with self._cond:
+                self._cond.notify()
+
+        task = asyncio.ensure_future(notify())
+        self._wakers.add(task)
+        task.add_done_callback(self._wakers.discard)
 
     def _push_idle(self, sandbox: Sandbox) -> None:
         self._idle[sandbox] = time.monotonic()
@@ -208,12 +217,11 @@ class SandboxPool:
                 await self._cond.wait()
         try:
             sandbox = await create_sandbox(self.backend, self.limits)
+            self._all.add(sandbox)  # counted before the start slot is given back: max_size holds
+            self._created += 1
         finally:
             self._creating -= 1
-            # a start slot is free: wake a waiter (shielded: a cancelled checkout must not swallow it)
-            await asyncio.shield(self._notify_one())
-        self._all.add(sandbox)
-        self._created += 1
+            self._wake_one()  # a start slot is free
         return sandbox
 
     async def release(self, sandbox: Sandbox) -> None:

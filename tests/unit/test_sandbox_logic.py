@@ -268,6 +268,32 @@ def test_pool_checkout_waiting_for_a_start_takes_a_released_sandbox() -> None:
     _with_slow_backend(test)
 
 
+def test_pool_never_opens_more_than_max_size_while_starts_finish() -> None:
+    import asyncio
+
+    from sandboxes.pool import SandboxPool
+
+    async def test(backend: _SlowStarts) -> None:
+        pool = await SandboxPool("fake-slow-start", Limits(), size=0, max_size=3, max_starting=2).start()
+        try:
+            tasks = [asyncio.ensure_future(pool.checkout()) for _ in range(6)]
+            backend.gate.set()
+            await _until(lambda: sum(t.done() for t in tasks) == 3)
+            for _ in range(50):  # the other three wait for a release: no fourth sandbox is started
+                await asyncio.sleep(0)
+            assert backend.created == 3 and backend.starting == 0
+            assert sum(t.done() for t in tasks) == 3
+            done = [t.result() for t in tasks if t.done()]
+            for sb in done:
+                await pool.release(sb)
+            assert {id(sb) for sb in await asyncio.gather(*tasks)} == {id(sb) for sb in done}
+            assert backend.created == 3
+        finally:
+            await pool.close()
+
+    _with_slow_backend(test)
+
+
 def test_pool_rejects_max_starting_below_one() -> None:
     from sandboxes.pool import SandboxPool
 
