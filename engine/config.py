@@ -270,7 +270,11 @@ class SandboxConfig(Section):
     pool_size: int = Field(8, ge=0)
     """Pre-warmed sandboxes."""
     max_sandboxes: int = Field(64, ge=1)
-    """Most sandboxes open at once in this process."""
+    """Most sandboxes open at once in this process (the pool raises the process's soft RLIMIT_NOFILE to fit
+    about 4 descriptors per sandbox, up to the hard limit)."""
+    start_concurrency: int = Field(8, ge=1)
+    """Sandboxes started at once while the pool grows; more starts wait their turn, so a burst of thousands on a
+    small host does not run every start past the backend's start timeout."""
     idle_ttl_s: float = Field(60.0, gt=0)
     """Idle sandboxes beyond `pool_size` (left from a burst) are closed after this long unused."""
     memory_mb: int = Field(256, ge=16)

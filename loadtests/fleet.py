@@ -37,8 +37,13 @@ Parts:
    sandbox processes) of the role's process from ``/proc/<pid>/stat``, difference over the window.
 4. ``calibration_error``: ``actors.inference.sim.calibrate`` against the local engine on the real model
    (``--model-dir``, default the prepared SmolLM2-135M-Instruct; null with the reason when absent).
+5. sandbox growth (``loadtests/_sandbox_fleet.py``): the real sandbox role (bwrap, ``max_sandboxes`` = 100,
+   1,000, 3,000; 16 and 100 with ``--quick``) and the reward role on the same private broker, a driver keeping
+   N ``code`` completions in flight whose programs each hold a sandbox ``sandbox_hold_s`` seconds; per size the
+   sandboxes measured alive and busy, verifications/s held, CPU us per verification by role, memory, and which
+   guard (memory, fds, pids) stopped the ramp (``sandbox_growth``, ``max_verifications_per_s``).
 
-    python -m loadtests.fleet [--quick] [--json F] [--plot PNG]
+    python -m loadtests.fleet [--quick] [--json F] [--plot PNG] [--sandboxes 100,1000,3000] [--sandboxes-only]
 """
 
 from __future__ import annotations
@@ -90,11 +95,20 @@ class Plan:
     calibrate: bool = True
     quick: bool = False
     """Calibrate with fewer points too."""
+    sandboxes: tuple[int, ...] = (100, 1000, 3000)
+    """Sandbox growth: ``max_sandboxes`` of the sandbox role, one run each (empty: not run)."""
+    sandbox_hold_s: float = 20.0
+    """Sandbox growth: seconds each verification's program holds its sandbox (a simulated test suite)."""
+    sandbox_window_s: float = 60.0
+    sandbox_ramp_timeout_s: float = 300.0
+    sandboxes_only: bool = False
+    """Run only the sandbox growth (parts 1-4 skipped)."""
 
     @staticmethod
     def quick_plan() -> "Plan":
         return Plan(time_scale=0.15, target_steps=6, rounds=2, fleet=(1, 4), window_s=15.0, fleet_batch_cap=32,
-                    quick=True)
+                    quick=True, sandboxes=(16, 100), sandbox_hold_s=5.0, sandbox_window_s=20.0,
+                    sandbox_ramp_timeout_s=90.0)
 
 
 # -- the simulated servers: N sim apps in one process ---------------------------------------------
@@ -362,60 +376,81 @@ def run(plan: Plan, work: Path, model_dir: Path | None, *, log: Any = print) -> 
     stack = Stack(work)
     stack.start()
     try:
-        # 1. async against sync
-        target = plan.target_steps * plan.batch_size
-        sync_s: list[float] = []
-        async_s: list[float] = []
-        nopartial_s: list[float] = []
-        pairs: list[dict[str, Any]] = []
-        log(f"async (S={plan.staleness}) vs sync (S=0): time to {target} trained samples on {plan.servers} "
-            f"simulated servers, {plan.rounds} rounds")
-        for r in range(plan.rounds):
-            order = [("sync", 0, True), ("async", plan.staleness, True), ("nopartial", plan.staleness, False)]
-            res: dict[str, RunResult] = {}
-            for mode, s, partial in (order if r % 2 == 0 else order[::-1]):
-                res[mode] = run_cluster(stack, work, tiny, plan, mode=mode, servers=plan.servers, staleness=s,
-                                        batch_size=plan.batch_size, target=target, window_s=None, log=log,
-                                        partial_rollouts=partial)
-            assert res["sync"].seconds_to_target and res["async"].seconds_to_target
-            assert res["nopartial"].seconds_to_target
-            sync_s.append(res["sync"].seconds_to_target)
-            async_s.append(res["async"].seconds_to_target)
-            nopartial_s.append(res["nopartial"].seconds_to_target)
-            pairs.append({"round": r, "first": "sync" if r % 2 == 0 else "nopartial",
-                          "sync": res["sync"].row(), "async": res["async"].row(), "nopartial": res["nopartial"].row()})
-        stats = ratio_stats(sync_s, async_s)
-        partial_stats = ratio_stats(nopartial_s, async_s)
-        out.update({"target_trained_samples": target, "async_vs_sync_servers": plan.servers,
-                    "async_over_sync": stats["mean"], "async_over_sync_ci95": stats["ci95"],
-                    "async_over_sync_per_round": stats["per_round"], "async_vs_sync_runs": pairs,
-                    "partial_rollouts_over_none": partial_stats["mean"],
-                    "partial_rollouts_over_none_ci95": partial_stats["ci95"],
-                    "partial_rollouts_over_none_per_round": partial_stats["per_round"],
-                    "partial_rollouts_note": PARTIAL_ROLLOUTS_NOTE})
-        # 3. fleet growth
-        growth: list[dict[str, Any]] = []
-        log(f"fleet growth: async S={plan.staleness}, batch {plan.batch_size} x servers up to {plan.fleet_batch_cap}, "
-            f"window >= {plan.window_s:.0f}s and 2 steps")
-        for n in plan.fleet:
-            res1 = run_cluster(stack, work, tiny, plan, mode="fleet", servers=n, staleness=plan.staleness,
-                               batch_size=min(plan.batch_size * n, plan.fleet_batch_cap), target=None, window_s=plan.window_s, log=log)
-            growth.append(res1.row())
-        best = max(growth, key=lambda g: g["samples_per_s"])
-        out.update({"fleet": growth, "max_samples_per_s": best["samples_per_s"],
-                    "max_samples_per_s_servers": best["servers"], "engine_us_per_sample": best["engine_us_per_sample"]})
+        if not plan.sandboxes_only:
+            _simulated_fleet(plan, stack, work, tiny, out, log)
+        # 5. sandbox growth: the real sandbox role at growing max_sandboxes
+        if plan.sandboxes:
+            from loadtests._sandbox_fleet import run_growth
+
+            out.update(run_growth(stack, work, tiny, plan.sandboxes, hold_s=plan.sandbox_hold_s,
+                                  window_s=plan.sandbox_window_s, ramp_timeout_s=plan.sandbox_ramp_timeout_s, log=log))
     finally:
         stack.stop()
     # 4. calibration (after the clusters: it wants the CPUs to itself)
-    if plan.calibrate:
+    if plan.calibrate and not plan.sandboxes_only:
         log("calibration: sim roofline fitted to the local engine on the real model")
         out.update(calibration(model_dir, plan.quick, work))
     else:
-        out.update({"calibration_error": None, "calibration_note": "skipped (--no-calibration)"})
+        out.update({"calibration_error": None,
+                    "calibration_note": "skipped (--no-calibration)" if not plan.calibrate else "skipped (--sandboxes-only)"})
     return out
 
 
+def _simulated_fleet(plan: Plan, stack: Any, work: Path, tiny: Path, out: dict[str, Any], log: Any) -> None:
+    """Parts 1-3: async against sync, partial rollouts against none, fleet growth (into ``out``)."""
+    # 1. async against sync
+    target = plan.target_steps * plan.batch_size
+    sync_s: list[float] = []
+    async_s: list[float] = []
+    nopartial_s: list[float] = []
+    pairs: list[dict[str, Any]] = []
+    log(f"async (S={plan.staleness}) vs sync (S=0): time to {target} trained samples on {plan.servers} "
+        f"simulated servers, {plan.rounds} rounds")
+    for r in range(plan.rounds):
+        order = [("sync", 0, True), ("async", plan.staleness, True), ("nopartial", plan.staleness, False)]
+        res: dict[str, RunResult] = {}
+        for mode, s, partial in (order if r % 2 == 0 else order[::-1]):
+            res[mode] = run_cluster(stack, work, tiny, plan, mode=mode, servers=plan.servers, staleness=s,
+                                    batch_size=plan.batch_size, target=target, window_s=None, log=log,
+                                    partial_rollouts=partial)
+        assert res["sync"].seconds_to_target and res["async"].seconds_to_target
+        assert res["nopartial"].seconds_to_target
+        sync_s.append(res["sync"].seconds_to_target)
+        async_s.append(res["async"].seconds_to_target)
+        nopartial_s.append(res["nopartial"].seconds_to_target)
+        pairs.append({"round": r, "first": "sync" if r % 2 == 0 else "nopartial",
+                      "sync": res["sync"].row(), "async": res["async"].row(), "nopartial": res["nopartial"].row()})
+    stats = ratio_stats(sync_s, async_s)
+    partial_stats = ratio_stats(nopartial_s, async_s)
+    out.update({"target_trained_samples": target, "async_vs_sync_servers": plan.servers,
+                "async_over_sync": stats["mean"], "async_over_sync_ci95": stats["ci95"],
+                "async_over_sync_per_round": stats["per_round"], "async_vs_sync_runs": pairs,
+                "partial_rollouts_over_none": partial_stats["mean"],
+                "partial_rollouts_over_none_ci95": partial_stats["ci95"],
+                "partial_rollouts_over_none_per_round": partial_stats["per_round"],
+                "partial_rollouts_note": PARTIAL_ROLLOUTS_NOTE})
+    # 3. fleet growth
+    growth: list[dict[str, Any]] = []
+    log(f"fleet growth: async S={plan.staleness}, batch {plan.batch_size} x servers up to {plan.fleet_batch_cap}, "
+        f"window >= {plan.window_s:.0f}s and 2 steps")
+    for n in plan.fleet:
+        res1 = run_cluster(stack, work, tiny, plan, mode="fleet", servers=n, staleness=plan.staleness,
+                           batch_size=min(plan.batch_size * n, plan.fleet_batch_cap), target=None, window_s=plan.window_s, log=log)
+        growth.append(res1.row())
+    best = max(growth, key=lambda g: g["samples_per_s"])
+    out.update({"fleet": growth, "max_samples_per_s": best["samples_per_s"],
+                "max_samples_per_s_servers": best["servers"], "engine_us_per_sample": best["engine_us_per_sample"]})
+
+
 def print_results(out: dict[str, Any]) -> None:
+    from loadtests._sandbox_fleet import print_table
+
+    if "async_vs_sync_runs" in out:
+        _print_simulated(out)
+    print_table(out)
+
+
+def _print_simulated(out: dict[str, Any]) -> None:
     print(f"\nSIMULATED fleet: {out['gpu']} serving {out['model']}; 1 synthetic token = {out['token_scale']} tokens; "
           f"time scale {out['time_scale']}")
     print(f"\n{'round':<6}{'first':>10}{'sync s':>9}{'async s':>9}{'ratio':>8}{'no-partial s':>14}")
@@ -442,7 +477,8 @@ def print_results(out: dict[str, Any]) -> None:
 
 
 def plot(out: dict[str, Any], path: Path) -> bool:
-    """Samples/s and CPU microseconds per sample per role against the fleet size; False without matplotlib."""
+    """Samples/s and CPU microseconds per sample per role against the fleet size (top row) and verifications/s
+    and CPU per verification against the sandboxes alive (bottom row, when measured); False without matplotlib."""
     try:
         import matplotlib
 
@@ -450,9 +486,24 @@ def plot(out: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    from loadtests._sandbox_fleet import plot_panels
+
+    panels = [k for k in ("fleet", "sandbox_growth") if out.get(k)]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 4 * len(panels)), squeeze=False)
+    if "fleet" in panels:
+        _plot_fleet(out, axes[0][0], axes[0][1])
+    if "sandbox_growth" in panels:
+        plot_panels(out, *axes[len(panels) - 1])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def _plot_fleet(out: dict[str, Any], a: Any, b: Any) -> None:
     fleet = out["fleet"]
     xs = [g["servers"] for g in fleet]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(xs, [g["samples_per_s"] for g in fleet], "o-")
     a.set(xscale="log", xlabel="simulated servers", ylabel="trained samples / s (wall)",
           title="SIMULATED fleet: throughput the engine holds")
@@ -465,9 +516,6 @@ def plot(out: dict[str, Any], path: Path) -> bool:
     for ax in (a, b):
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.minorticks_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,6 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleet", help="comma-separated server counts (default 1,4,16,64; 1,4 with --quick)")
     p.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR), help="real model for the calibration")
     p.add_argument("--no-calibration", action="store_true")
+    p.add_argument("--sandboxes", help="comma-separated max_sandboxes of the sandbox growth (default 100,1000,3000; "
+                                       "16,100 with --quick; 0: not run)")
+    p.add_argument("--sandbox-hold", type=float, help="seconds each verification holds its sandbox (default 20; 5 "
+                                                      "with --quick)")
+    p.add_argument("--sandboxes-only", action="store_true", help="run only the sandbox growth")
     # the sim host subprocess
     p.add_argument("--sim-host", type=int, help=argparse.SUPPRESS)
     p.add_argument("--token-scale", type=int, default=Plan.token_scale, help=argparse.SUPPRESS)
@@ -507,6 +560,22 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan(**{**plan.__dict__, "fleet": sizes})
     if args.no_calibration:
         plan = Plan(**{**plan.__dict__, "calibrate": False})
+    if args.sandboxes:
+        try:
+            counts = tuple(int(x) for x in args.sandboxes.split(",") if int(x) != 0)
+        except ValueError:
+            p.error(f"--sandboxes: comma-separated sandbox counts, got {args.sandboxes!r}")
+        if any(c < 1 for c in counts):
+            p.error(f"--sandboxes: counts must be >= 1 (or 0 for none), got {args.sandboxes!r}")
+        plan = Plan(**{**plan.__dict__, "sandboxes": counts})
+    if args.sandbox_hold is not None:
+        if not args.sandbox_hold > 0:
+            p.error(f"--sandbox-hold must be > 0, got {args.sandbox_hold}")
+        plan = Plan(**{**plan.__dict__, "sandbox_hold_s": args.sandbox_hold})
+    if args.sandboxes_only:
+        if not plan.sandboxes:
+            p.error("--sandboxes-only with no sandbox counts")
+        plan = Plan(**{**plan.__dict__, "sandboxes_only": True})
     with tempfile.TemporaryDirectory(prefix="rollout-fleet-") as tmp:
         out = run(plan, Path(tmp), Path(args.model_dir) if args.model_dir else None)
     out["quick"] = args.quick

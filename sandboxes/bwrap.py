@@ -355,7 +355,10 @@ class BwrapSandbox(Sandbox):
             inner.close()
             os.set_blocking(info_r, False)
             control.setblocking(False)
-            info = await asyncio.wait_for(_aio.read_json_object(info_r), START_TIMEOUT_S)
+            try:
+                info = await asyncio.wait_for(_aio.read_json_object(info_r), START_TIMEOUT_S)
+            except TimeoutError:
+                raise SandboxError(f"bwrap did not start within {START_TIMEOUT_S:g}s") from None
             if not info:
                 raise SandboxError(f"bwrap failed to start: exit {proc.wait()}: {_read_available(err_r)}")
             init_pid = int(json.loads(info)["child-pid"])
@@ -363,7 +366,10 @@ class BwrapSandbox(Sandbox):
             self.cgroups.add(init_pid)
             os.write(block_w, b"x")
             loop = asyncio.get_running_loop()
-            ready = await asyncio.wait_for(loop.sock_recv(control, 4096), START_TIMEOUT_S)
+            try:
+                ready = await asyncio.wait_for(loop.sock_recv(control, 4096), START_TIMEOUT_S)
+            except TimeoutError:
+                raise SandboxError(f"the sandbox init did not answer within {START_TIMEOUT_S:g}s") from None
             if not ready:
                 raise SandboxError(f"sandbox init failed to start: {_read_available(err_r)}")
             self._init = _Init(proc, init_pid, control)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import resource
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -15,6 +16,41 @@ from sandboxes.limits import Limits
 from sandboxes.registry import sandbox_backend
 
 log = logging.getLogger(__name__)
+
+FDS_PER_SANDBOX = 4
+"""Descriptors this process holds per sandbox at most: a bwrap sandbox keeps its control socket, and while a
+command runs the read ends of its stdout/stderr pipes and its stdin (``loadtests/fleet.py --sandboxes``
+measured 3 per busy sandbox, 1 per idle one); starting one briefly takes a few more."""
+FD_RESERVE = 512
+"""Descriptors kept for everything else of the process (Kafka and NATS connections, logs, the HTTP port)."""
+
+
+def ensure_fd_headroom(max_sandboxes: int) -> int:
+    """Raise this process's soft RLIMIT_NOFILE so ``max_sandboxes`` busy sandboxes fit; the soft limit after.
+
+    A common default soft limit is 1024 (systemd services, many shells): with it a pool of ~250 busy sandboxes
+    fails with EMFILE ("Too many open files") in the middle of a run. The soft limit is raised up to the hard
+    one; if even the hard limit is too low, a warning says how many sandboxes fit.
+    """
+    need = FD_RESERVE + FDS_PER_SANDBOX * max_sandboxes
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise RLIMIT_NOFILE from %d to %d: %s", soft, target, exc)
+    if soft < need:
+        log.warning("max_sandboxes=%d needs about %d file descriptors, but RLIMIT_NOFILE is %d (hard %s): about "
+                    "%d sandboxes can be busy at once before opening one fails with EMFILE; raise the hard limit "
+                    "(ulimit -Hn, LimitNOFILE=) or lower max_sandboxes", max_sandboxes, need, soft,
+                    "unlimited" if hard == resource.RLIM_INFINITY else hard,
+                    max(0, (soft - FD_RESERVE) // FDS_PER_SANDBOX))
+    return soft
+
 
 async def create_sandbox(backend: str = "bwrap", limits: Limits | None = None) -> Sandbox:
     """A new sandbox of ``backend`` (a name in :mod:`sandboxes.registry`); the caller closes it."""
@@ -50,6 +86,13 @@ class SandboxPool:
     at start and every ``reap_interval_s`` for leftovers of dead processes. A burst grows the pool up
     to ``max_size``; idle sandboxes beyond ``size`` are closed once unused for ``idle_ttl_s`` (the
     most recently used are handed out first, so the surplus is what goes cold).
+
+    At most ``max_starting`` sandboxes are being started at once. A thousand starts at once on a small
+    host would each get a sliver of the CPU and run past the backend's start timeout together
+    (``loadtests/fleet.py --sandboxes``: 318 of ~2,700 verifications failed that way while a pool grew
+    to 1,000 on 2 cores); in turn, each start is quick. A checkout waiting for a start slot takes a
+    sandbox released meanwhile instead (waiting for the slot alone left released sandboxes idle while
+    hundreds of checkouts queued for starts).
     """
 
     def __init__(
@@ -60,9 +103,12 @@ class SandboxPool:
         max_size: int = 64,
         reap_interval_s: float = 60.0,
         idle_ttl_s: float = 60.0,
+        max_starting: int = 8,
     ) -> None:
         if not 0 <= size <= max_size:
             raise ValueError(f"need 0 <= size <= max_size, got size={size} max_size={max_size}")
+        if max_starting < 1:
+            raise ValueError(f"max_starting must be >= 1, got {max_starting}")
         if not idle_ttl_s > 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
         sandbox_backend(backend)  # an unknown name fails here, naming the known ones, not at first use
@@ -76,12 +122,16 @@ class SandboxPool:
         self._idle: dict[Sandbox, float] = {}
         self._all: set[Sandbox] = set()
         self._creating = 0
+        self.max_starting = max_starting
+        self._prewarm = asyncio.Semaphore(max_starting)
+        self._wakers: set[asyncio.Future[None]] = set()
         self._cond = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []  # the reaper and the trimmer
         self._closed = False
         self._created = self._resets = self._reaped = self._trimmed = 0
 
     async def start(self) -> SandboxPool:
+        ensure_fd_headroom(self.max_size)
         await self.reap()
         self._tasks = [asyncio.ensure_future(self._every(self.reap_interval_s, self.reap, "reaper pass")),
                        asyncio.ensure_future(self._every(min(self.idle_ttl_s / 2, 30.0), self.trim, "trim"))]
@@ -95,12 +145,25 @@ class SandboxPool:
         await self.close()
 
     async def _add_idle(self) -> None:
-        sandbox = await create_sandbox(self.backend, self.limits)
+        async with self._prewarm:  # the start timeout then counts one start, not a queue of them
+            sandbox = await create_sandbox(self.backend, self.limits)
         self._all.add(sandbox)
         self._created += 1
         async with self._cond:
             self._push_idle(sandbox)
             self._cond.notify()
+
+    def _wake_one(self) -> None:
+        """Wake one waiting checkout, without awaiting here (so a cancelled checkout cannot lose the wake-up
+        or a sandbox it already counted)."""
+
+        async def notify() -> None:
+            async with self._cond:
+                self._cond.notify()
+
+        task = asyncio.ensure_future(notify())
+        self._wakers.add(task)
+        task.add_done_callback(self._wakers.discard)
 
     def _push_idle(self, sandbox: Sandbox) -> None:
         self._idle[sandbox] = time.monotonic()
@@ -139,7 +202,8 @@ class SandboxPool:
                 log.exception("sandbox pool %s failed", what)
 
     async def checkout(self) -> Sandbox:
-        """An idle sandbox (or a new one below max_size), waiting for one otherwise; see :meth:`release`."""
+        """An idle sandbox, or a new one below ``max_size`` when fewer than ``max_starting`` are being
+        started, waiting for whichever comes first otherwise; see :meth:`release`."""
         async with self._cond:
             while True:
                 if self._closed:
@@ -147,16 +211,17 @@ class SandboxPool:
                 if self._idle:
                     sandbox, _ = self._idle.popitem()  # the most recently idle (LIFO)
                     return sandbox
-                if len(self._all) + self._creating < self.max_size:
+                if len(self._all) + self._creating < self.max_size and self._creating < self.max_starting:
                     self._creating += 1
                     break
                 await self._cond.wait()
         try:
             sandbox = await create_sandbox(self.backend, self.limits)
+            self._all.add(sandbox)  # counted before the start slot is given back: max_size holds
+            self._created += 1
         finally:
             self._creating -= 1
-        self._all.add(sandbox)
-        self._created += 1
+            self._wake_one()  # a start slot is free
         return sandbox
 
     async def release(self, sandbox: Sandbox) -> None:

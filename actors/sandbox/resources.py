@@ -49,7 +49,8 @@ class SandboxResources:
         async with self._lock:
             if self._pool is None:
                 pool = SandboxPool(self.cfg.backend, self.limits, size=min(self.cfg.pool_size, self.cfg.max_sandboxes),
-                                   max_size=self.cfg.max_sandboxes, idle_ttl_s=self.cfg.idle_ttl_s)
+                                   max_size=self.cfg.max_sandboxes, idle_ttl_s=self.cfg.idle_ttl_s,
+                                   max_starting=self.cfg.start_concurrency)
                 try:
                     await pool.start()
                 except SandboxError as exc:

@@ -292,3 +292,25 @@ async def test_pool_closes_the_idle_surplus_of_a_burst() -> None:
         async with pool.acquire() as sb:
             assert sb is hot
             assert (await sb.exec("echo ok")).stdout == "ok\n"
+
+
+@pytest.mark.anyio
+async def test_a_bwrap_start_past_its_timeout_is_a_sandbox_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that runs out of time (an overloaded host) is an infrastructure failure: SandboxError, which
+    the sandbox actor re-delivers, not a bare TimeoutError that a verifier would score zero; nothing is left."""
+    from sandboxes import SandboxError, bwrap
+
+    monkeypatch.setattr(bwrap, "START_TIMEOUT_S", 0.0)
+    created: list[bwrap.BwrapSandbox] = []
+    real_init = bwrap.BwrapSandbox.__init__
+
+    def spy(self: bwrap.BwrapSandbox, limits: Limits) -> None:
+        real_init(self, limits)
+        created.append(self)
+
+    monkeypatch.setattr(bwrap.BwrapSandbox, "__init__", spy)
+    with pytest.raises(SandboxError, match="within 0s"):
+        await bwrap.BwrapSandbox.create(Limits())
+    (sandbox,) = created
+    assert not sandbox.dir.exists()  # closed: workspace, owner file and cgroups gone
+    assert not (bwrap.SANDBOX_ROOT / f"{sandbox.id}.owner").exists()

@@ -86,3 +86,51 @@ def test_sim_token_scale_divides_the_sampled_length() -> None:
     assert scaled == -(-real // 8)
     with pytest.raises(ValueError, match="token_scale"):
         SimEngine(token_scale=0)
+
+
+# -- sandbox growth (loadtests/_sandbox_fleet.py) ----------------------------------------------------
+
+def test_sandbox_growth_memory_floor_is_2_gib_or_a_tenth_of_ram() -> None:
+    from loadtests._sandbox_fleet import memory_floor_mb
+
+    assert memory_floor_mb(8 * 1024) == 2048.0
+    assert memory_floor_mb(64 * 1024) == pytest.approx(6553.6)
+
+
+@pytest.mark.parametrize(("avail", "pending", "fds", "procs", "why"), [
+    (20_000, 0, 100, 300, None),
+    (20_000, 1_500, 100, 300, "memory"),   # 1,500 still starting x 12 MB would cross the floor
+    (20_000, 0, 18_000, 300, "fds"),
+    (20_000, 0, 100, 28_000, "pids"),
+])
+def test_sandbox_growth_guard_names_the_limit(monkeypatch: pytest.MonkeyPatch, avail: float, pending: int,
+                                              fds: int, procs: int, why: str | None) -> None:
+    from loadtests import _sandbox_fleet as sf
+
+    monkeypatch.setattr(sf, "meminfo_mb", lambda: {"MemTotal": 24_000.0, "MemAvailable": avail})
+    monkeypatch.setattr(sf, "fd_count", lambda pid: fds)
+    monkeypatch.setattr(sf, "nofile_soft", lambda pid: 20_000)
+    monkeypatch.setattr(sf, "host_processes", lambda: procs)
+    monkeypatch.setattr(sf, "pid_max", lambda: 32_768)
+    reason = sf.Guard(floor_mb=2_400.0).check(64, pending, role_pid=1)
+    assert (reason is None) if why is None else (reason is not None and reason.startswith(why))
+
+
+def test_sandbox_growth_counts_role_log_warnings(tmp_path: os.PathLike[str]) -> None:
+    from pathlib import Path
+
+    from loadtests._sandbox_fleet import log_warnings
+
+    log = Path(tmp_path) / "sandbox.log"
+    log.write_text("x INFO fine\nx WARNING reset of sbx-1 failed\nx WARNING reset of sbx-1 failed\nx ERROR boom\n")
+    assert log_warnings(log) == {"reset of sbx-1 failed": 2, "boom": 1}
+    assert log_warnings(Path(tmp_path) / "missing.log") == {}
+
+
+def test_sandbox_growth_workload_program_holds_for_the_stated_time() -> None:
+    from loadtests._sandbox_fleet import GROUP, completion
+    from sandboxes.verifiers import extract_program
+
+    c = completion("t1", GROUP - 1, 20.0, 80.0)
+    assert "time.sleep(20.0)" in extract_program(c.text)
+    assert (c.domain, c.group_size, c.spec["timeout_s"], len(c.spec["tests"])) == ("code", GROUP, 80.0, 1)
