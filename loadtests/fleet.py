@@ -34,7 +34,8 @@ Parts:
    grow with the fleet until then), measured from one learner step to another over >= ``window_s``:
    trained samples/s held over the measured window (``max_samples_per_s``: the best), and each role's CPU
    microseconds per trained sample (``engine_us_per_sample``): utime + stime (+ reaped children's, e.g.
-   sandbox processes) of the role's process from ``/proc/<pid>/stat``, difference over the window.
+   sandbox processes) of the role's process from ``/proc/<pid>/stat``, difference over the window; the
+   Kafka broker's and the nats-server's CPU per trained sample over the same window (``infra_us_per_sample``).
 4. ``calibration_error``: ``actors.inference.sim.calibrate`` against the local engine on the real model
    (``--model-dir``, default the prepared SmolLM2-135M-Instruct; null with the reason when absent).
 5. sandbox growth (``loadtests/_sandbox_fleet.py``): the real sandbox role (bwrap, ``max_sandboxes`` = 100,
@@ -234,6 +235,8 @@ class RunResult:
     sim_cpu_s: float
     """CPU of the simulated servers' process (not the engine's)."""
     learner: dict[str, Any] = field(default_factory=dict)
+    infra_cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU of the Kafka broker and the nats-server over the same window (the transport's cost)."""
 
     def row(self) -> dict[str, Any]:
         return {"mode": self.mode, "servers": self.servers, "staleness": self.staleness, "batch_size": self.batch_size,
@@ -241,6 +244,7 @@ class RunResult:
                 "window_s": round(self.window_s, 2), "samples_per_s": round(self.samples_per_s, 3),
                 "engine_us_per_sample": us_per_sample(self.cpu_s, self.trained),
                 "sim_servers_us_per_sample": us_per_sample({"sim": self.sim_cpu_s}, self.trained)["sim"],
+                "infra_us_per_sample": us_per_sample(self.infra_cpu_s, self.trained),
                 "dropped_stale": self.learner.get("dropped_stale"), "filtered": self.learner.get("filtered")}
 
 
@@ -291,6 +295,8 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
         cpu0 = {r: process_cpu_s(p.pid or 0) for r, p in procs.items()}
         assert sims.proc is not None
         sim0 = process_cpu_s(sims.proc.pid)
+        infra_pids = {"kafka": stack.kafka.pid() or 0, "nats": stack.nats.pid() or 0}
+        infra0 = {name: process_cpu_s(pid) for name, pid in infra_pids.items()}
         trained0, t0, last = 0, started, 0
         stats: dict[str, Any] = {}
         deadline = started + (window_s or 0) + 600.0
@@ -303,6 +309,7 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
                 trained0, t0 = trained, now
                 cpu0 = {r: process_cpu_s(p.pid or 0) for r, p in procs.items()}
                 sim0 = process_cpu_s(sims.proc.pid)
+                infra0 = {name: process_cpu_s(pid) for name, pid in infra_pids.items()}
             if target is not None and trained >= target:
                 break
             # ... and closes at the first step after window_s, with at least two steps inside
@@ -319,10 +326,11 @@ def run_cluster(stack: Any, work: Path, model_dir: Path, plan: Plan, *, mode: st
         end = time.monotonic()
         cpu = {r: process_cpu_s(p.pid or 0) - cpu0[r] for r, p in procs.items()}
         sim_cpu = process_cpu_s(sims.proc.pid) - sim0
+        infra_cpu = {name: process_cpu_s(pid) - infra0[name] for name, pid in infra_pids.items()}
         counted = trained - trained0
         span = end - (t0 if window_s is not None else started)
         result = RunResult(mode, servers, staleness, batch_size, round(end - started, 2) if target else None,
-                           counted, span, counted / span if span > 0 else 0.0, cpu, sim_cpu, stats)
+                           counted, span, counted / span if span > 0 else 0.0, cpu, sim_cpu, stats, infra_cpu)
         log(f"  {mode:<6} servers {servers:>3} S={staleness} batch {batch_size:>4}: {counted} trained in {span:.1f}s "
             f"({result.samples_per_s:.2f}/s), stale-dropped {stats.get('dropped_stale')}")
         return result
@@ -465,12 +473,13 @@ def _print_simulated(out: dict[str, Any]) -> None:
     print(f"partial_rollouts_over_none: {'null' if partial is None else f'{partial}x'}"
           + (f" (95% interval {pci[0]}..{pci[1]})" if pci else "") + f" ({out['partial_rollouts_note']})")
     print(f"\n{'servers':>8}{'batch':>7}{'samples/s':>11}" + "".join(f"{r + ' us':>14}" for r in ROLES)
-          + f"{'(sim servers us)':>18}")
+          + f"{'(sim servers us)':>18}{'kafka us':>10}{'nats us':>9}")
     for g in out["fleet"]:
         us = g["engine_us_per_sample"]
         print(f"{g['servers']:>8}{g['batch_size']:>7}{g['samples_per_s']:>11.2f}"
               + "".join(f"{'-' if us[r] is None else f'{us[r]:.0f}':>14}" for r in ROLES)
-              + f"{g['sim_servers_us_per_sample'] or 0:>18.0f}")
+              + f"{g['sim_servers_us_per_sample'] or 0:>18.0f}"
+              + "".join(f"{(g.get('infra_us_per_sample') or {}).get(n) or 0:>{w}.0f}" for n, w in (("kafka", 10), ("nats", 9))))
     print(f"max_samples_per_s: {out['max_samples_per_s']} (at {out['max_samples_per_s_servers']} servers)")
     err = out["calibration_error"]
     print(f"calibration_error: {'null' if err is None else f'{err:.1%}'} ({out['calibration_note']})")
