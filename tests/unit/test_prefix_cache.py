@@ -281,3 +281,18 @@ async def test_engine_serves_a_prefix_back_from_the_int8_tier(tok) -> None:  # t
     # the tiny model's greedy choice is robust to int8 keys and values on this prompt
     assert again.output_ids == first.output_ids
     assert again.logprobs == pytest.approx(first.logprobs, abs=0.05)
+
+
+def test_an_int8_only_tier_keeps_an_entry_a_hit_used_part_of() -> None:
+    """Below the paged store's tree there is no hot tier: a hit on a prefix must not drop the rest of the entry."""
+    cache = PrefixCache(0, bytes_per_token=4, int8_tokens=32, int8_only=True)
+    kv = torch.randn(1, 2, 1, 8, 4)
+    assert cache.store_int8([1, 2, 3, 4, 5, 6, 7, 8], lambda n: kv[:, :, :, :n], epoch=0)
+    assert not cache.store_int8([1, 2, 3, 4], lambda n: kv[:, :, :, :n], epoch=0)  # already held inside it
+    n, got = cache.lookup([1, 2, 3, 4, 9, 9], limit=5, epoch=0, floor=2)
+    assert n == 4 and got is not None
+    assert cache.statistics().int8_tokens == 8  # still there for the prompt that needs all of it
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 0], limit=8, epoch=0)[0] == 8
+    assert cache.lookup([1, 2, 3, 9], limit=3, epoch=0, floor=3) == (0, None)  # nothing longer than the floor
+    with pytest.raises(ValueError, match="no hot tier"):
+        PrefixCache(16, bytes_per_token=4, int8_only=True)

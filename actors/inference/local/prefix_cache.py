@@ -189,14 +189,18 @@ class PrefixCache:
         return best, self._entries[best_id].kv
 
     def _promote(self, key: int, used: int) -> torch.Tensor:
-        """Dequantise an int8 entry, move it to the hot tier; its kv."""
-        cold = self._cold.pop(key)
-        self._cold_tokens -= len(cold.tokens)
+        """Dequantise an int8 entry; its kv. With a hot tier the entry moves there; without one (int8-only, below
+        the paged store's tree) it stays, refreshed: the hit may use only a prefix of it, and the rest must not
+        be lost."""
+        cold = self._cold[key]
         self._cold_hits += 1
         self._cold_hit_tokens += used
         kv = dequantize_int8(cold.q, cold.scale, cold.dtype)
         if self.max_tokens > 0:
+            self._drop_cold(key)
             self._store_hot(cold.tokens, kv, cold.epoch)
+        else:
+            self._cold.move_to_end(key)
         return kv
 
     def record_hit(self, tokens: int) -> None:
