@@ -503,7 +503,7 @@ class LocalEngine:
         """Blocks ``seq`` may still allocate: its worst case minus the blocks its table holds."""
         assert isinstance(self.runner, PagedRunner)
         worst = self.runner.blocks_for(self._worst_case_tokens(len(seq.prompt_ids), seq.params.max_new_tokens))
-        held = len(self.runner.table(seq.slot)) if seq.slot is not None else 0
+        held = self.runner.held_blocks(seq.slot) if seq.slot is not None else 0
         return max(0, worst - held)
 
     def _fits(self, seq: Sequence) -> bool:

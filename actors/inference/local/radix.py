@@ -117,7 +117,8 @@ class BlockRadix:
         self._hit_tokens += tokens
 
     def insert(self, tokens: list[int], table: list[int]) -> int:
-        """Hold the full blocks of ``tokens`` (whose KV is in ``table``); returns how many blocks were new."""
+        """Hold the blocks of ``tokens`` (whose KV is in ``table``; a partly filled last one as a leaf with a
+        shorter key); returns how many blocks were new."""
         if not self.enabled:
             return 0
         self._clock += 1

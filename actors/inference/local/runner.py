@@ -44,7 +44,6 @@ bf16 for SmolLM2-135M). Both stores grow on demand (doubling) up to their bound.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -52,6 +51,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+
+from actors.inference.local.prefix_cache import common_prefix
 
 if TYPE_CHECKING:  # the layout the runner drives (SmolLM2 is a Llama)
     from transformers.models.llama.modeling_llama import LlamaAttention
@@ -452,7 +453,7 @@ class PagedRunner(_Runner):
         self._free_blocks: list[int] = []  # a heap: the lowest free block first
         self._tables: dict[int, list[int]] = {}
         self._free_ids = list(range(max_seqs))
-        self._grow(max(1, min(self.max_blocks, math.ceil(initial_tokens / block_size))))
+        self._grow(max(1, min(self.max_blocks, self.blocks_for(initial_tokens))))
 
     # -- blocks ----------------------------------------------------------------------------------
     def _grow(self, blocks: int) -> None:
@@ -507,6 +508,10 @@ class PagedRunner(_Runner):
     def table(self, seq: int) -> list[int]:
         """The blocks holding ``seq``'s positions, in order (a copy)."""
         return list(self._tables[seq])
+
+    def held_blocks(self, seq: int) -> int:
+        """How many blocks ``seq``'s table holds (no copy: admission asks this of every running sequence)."""
+        return len(self._tables[seq])
 
     def cache_bytes(self) -> int:
         """Bytes the pool has allocated (its bound: ``max_blocks x block_size x bytes_per_token``)."""
@@ -625,29 +630,36 @@ class PagedRunner(_Runner):
         suffixes = [self._suffix_io([tables[i] for i in rows], [positions[i] for i in rows], shared)
                     for rows, shared in groups]
 
+        dense = self._sdpa(gathered) if gathered is not None else None
+        if not groups:
+            assert dense is not None
+            return write, dense
+        rest_index = torch.tensor(rest, dtype=torch.long)
+        group_index = [torch.tensor(rows, dtype=torch.long) for rows, _ in groups]
+
         def attend(layer: int, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            if not groups:
-                assert gathered is not None
-                return self._sdpa(lambda layer: gathered(layer))(layer, q, mask)
             out = torch.empty_like(q)
-            if gathered is not None:
-                index = torch.tensor(rest, dtype=torch.long)
-                out[index] = self._sdpa(gathered)(layer, q[index], mask[index])
-            for (rows, shared), suffix in zip(groups, suffixes):
-                index = torch.tensor(rows, dtype=torch.long)
+            if dense is not None:
+                out[rest_index] = dense(layer, q[rest_index], mask[rest_index])
+            for index, (_, shared), suffix in zip(group_index, groups, suffixes):
                 out[index] = self._cascade(layer, q[index], shared, *suffix)
             return out
 
         return write, attend
 
     # -- decode attention: gathered rows, and the cascade over a group's shared prefix -----------------
+    @staticmethod
+    def _padded(tables: list[list[int]]) -> torch.Tensor:
+        """Block tables as one ``(rows, longest)`` tensor; padding is block 0, behind every row's mask."""
+        padded = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return padded
+
     def _gather_rows(self, tables: list[list[int]], key_pos: torch.Tensor) -> Reader:
         """Every row's keys at ``key_pos``, gathered through its table (one ``index_select`` per layer)."""
         bs, batch = self.block_size, len(tables)
-        width = max(len(t) for t in tables)
-        padded = torch.zeros(batch, width, dtype=torch.long)  # padding: block 0, behind every row's mask
-        for i, t in enumerate(tables):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        padded = self._padded(tables)
         ridx = (padded[:, key_pos // bs] * bs + key_pos % bs).view(-1)
         shape = (batch, key_pos.numel(), self.kv_heads, self.head_dim)
 
@@ -673,11 +685,7 @@ class PagedRunner(_Runner):
                 continue
             shared = tables[rows[0]]
             for i in rows[1:]:
-                t, n = tables[i], 0
-                limit = min(len(shared), len(t))
-                while n < limit and shared[n] == t[n]:
-                    n += 1
-                shared = shared[:n]
+                shared = shared[:common_prefix(shared, tables[i])]
             # the block a row writes now is its own (copy on write), so every shared key is behind each row
             shared = shared[: min(len(tables[i]) for i in rows) - 1]
             if len(shared) * self.block_size >= self.CASCADE_MIN_TOKENS:
@@ -691,9 +699,7 @@ class PagedRunner(_Runner):
         lengths = [p + 1 - start for p in positions]
         width = max(lengths)
         key_pos = start + torch.arange(width)
-        padded = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
-        for i, t in enumerate(tables):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        padded = self._padded(tables)
         valid = torch.arange(width).view(1, -1) < torch.tensor(lengths).view(-1, 1)
         cols = torch.where(valid, key_pos.view(1, -1), torch.full_like(key_pos.view(1, -1), start))
         ridx = padded.gather(1, cols // self.block_size) * self.block_size + cols % self.block_size
