@@ -104,16 +104,33 @@ assert libc.msgget(0x5eed, 0o1600) >= 0
 fd = os.open("/dev/mqueue/q", os.O_CREAT | os.O_RDWR, 0o600) if os.path.isdir("/dev/mqueue") else -1
 PY
 export LEAK=1
-(exec -a episode-daemon sleep 300) >/dev/null 2>&1 &
-nohup sleep 301 >/dev/null 2>&1 &
+sleep 300 >/dev/null 2>&1 &
+python3 -c "import os; os.fork() and os._exit(0); os.setsid(); os.execvp('sleep', ['sleep', '301'])" >/dev/null 2>&1
+python3 - <<'PY'
+import glob, time
+def sleeping():  # both background jobs run (the second left its session) before this exec ends
+    n = 0
+    for path in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            n += open(path).read().strip() == "sleep"
+        except OSError:
+            pass
+    return n
+end = time.monotonic() + 5
+while sleeping() < 2 and time.monotonic() < end:
+    time.sleep(0.01)
+assert sleeping() == 2, sleeping()
+PY
 """
 
+# The last line counts the episode's background sleeps by their comm: a `ps` listing would race with
+# this script's own pipeline members, whose argv is empty for an instant while they exec.
 INSPECT = """
 ls -A /work /tmp /verify /dev/shm; ls -A /dev/mqueue 2>/dev/null
 stat -c '%a %u' /work
 cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg | grep -c -w 24301 || true  # key 0x5eed
 echo "LEAK=${LEAK:-none}"
-ps -o pid,args | grep -v -e 'ps -o' -e grep -e '^ *1 ' -e PID | grep -c . || true
+cat /proc/[0-9]*/comm 2>/dev/null | grep -c -x sleep || true
 """
 
 
