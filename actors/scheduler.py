@@ -20,8 +20,9 @@ is acknowledged by the broker, so a restart neither loses nor repeats one (bar a
   high and lowered when it is low, at most once per ``min_samples`` new samples.
 
 Observed statistics come from the reward actors' snapshot (KV key ``actors.reward.REWARD_STATS_KEY``).
-The scheduler's own counters are put under ``SCHEDULER_STATUS_KEY`` and read back at start, so a
-restarted scheduler does not re-admit what its predecessor admitted.
+The scheduler's own counters are put under ``SCHEDULER_STATUS_KEY`` (replica k > 0 of several: under
+``scheduler_status_key(k)``) and read back at start, so a restarted scheduler does not re-admit what its
+predecessor admitted.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ log = logging.getLogger("rollout.actors.scheduler")
 
 SCHEDULER_STATUS_KEY = "scheduler.status"
 """Control-bucket KV key of the scheduler's counters (JSON: admitted_samples, tasks_admitted, ...)."""
+
+
+def scheduler_status_key(replica: int = 0) -> str:
+    """The KV key of replica ``replica``'s counters: each replica keeps its own (its position in its own
+    shard of the task files, its own offsets); replica 0, the only one of most deployments, the plain key."""
+    return SCHEDULER_STATUS_KEY if replica == 0 else f"{SCHEDULER_STATUS_KEY}.{replica}"
 
 
 # -- admission -------------------------------------------------------------------------------------
@@ -358,6 +365,7 @@ class SchedulerActor(Actor):
         self._rng = random.Random(f"scheduler:{cfg.seed}")
         self._changed = anyio.Event()
         self._bucket = rt.kv_bucket
+        self._status_key = scheduler_status_key(cfg.replica)
         self.admitted_samples = 0
         self.tasks_admitted = 0
         self.blocked_waits = 0
@@ -372,7 +380,7 @@ class SchedulerActor(Actor):
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
-        saved = await self.rt.require_nats().kv_get(self._bucket, SCHEDULER_STATUS_KEY)
+        saved = await self.rt.require_nats().kv_get(self._bucket, self._status_key)
         if saved:
             status = json.loads(saved)
             self.admitted_samples = int(status.get("admitted_samples", 0))
@@ -607,7 +615,7 @@ class SchedulerActor(Actor):
     async def put_status(self) -> None:
         """Write the scheduler's counters to the control KV bucket."""
         tasks = self.tasks_admitted
-        await self.rt.require_nats().kv_put(self._bucket, SCHEDULER_STATUS_KEY, json.dumps(self.status()).encode())
+        await self.rt.require_nats().kv_put(self._bucket, self._status_key, json.dumps(self.status()).encode())
         self._status_written = tasks
 
     def status(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from actors.runtime import Runtime
-from actors.scheduler import SCHEDULER_STATUS_KEY, SchedulerActor
+from actors.scheduler import SCHEDULER_STATUS_KEY, SchedulerActor, scheduler_status_key
 from engine.config import EngineConfig, KafkaConfig, LearnerConfig, NatsConfig, SchedulerConfig
 from engine.schemas import Task
 from streams.kafka import Consumer
@@ -17,11 +17,13 @@ from streams.kafka import Consumer
 pytestmark = pytest.mark.anyio
 
 
-def _cfg(kafka: str, nats: str, namespace: str, path: Path, max_tasks: int) -> EngineConfig:
+def _cfg(kafka: str, nats: str, namespace: str, path: Path, max_tasks: int, replica: int = 0,
+         replicas: int = 1) -> EngineConfig:
     return EngineConfig(
         namespace=namespace, kafka=KafkaConfig(bootstrap=kafka, default_partitions=1), nats=NatsConfig(url=nats),
         learner=LearnerConfig(batch_size=64),
-        scheduler=SchedulerConfig(task_files={str(path): 1.0}, group_size=1, max_tasks=max_tasks))
+        scheduler=SchedulerConfig(task_files={str(path): 1.0}, group_size=1, max_tasks=max_tasks, replica=replica,
+                                  replicas=replicas))
 
 
 async def _issued(cfg: EngineConfig, topic: str, n: int) -> list[Task]:
@@ -88,3 +90,31 @@ async def test_rows_issued_after_the_last_status_are_not_issued_again(
         assert actor.done and actor.tasks_admitted == 6 and actor.admitted_samples == 6
         tasks = await _issued(again_cfg, rt.names.tasks, 6)
     assert [t.spec["task_file_id"] for t in tasks] == [f"q{i}" for i in range(6)]  # once each, in order
+
+
+async def test_replicas_keep_their_own_positions_across_a_restart(
+        kafka_bootstrap: str, nats_url: str, unique_name: str, tmp_path: Path) -> None:
+    """Two scheduler replicas share a task file (rows 0, 2, 4 and 1, 3, 5): each stores its own position,
+    so after both restart every row has been issued once (one shared status had replica 0 resume at
+    replica 1's position and skip a row)."""
+    path = tmp_path / "shared.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "domain": "math", "prompt": f"What is {i} + 3?",
+                                        "answer": str(i + 3)}) + "\n" for i in range(6)))
+    for replica, max_tasks in ((0, 1), (1, 2)):
+        async with Runtime(_cfg(kafka_bootstrap, nats_url, unique_name, path, max_tasks, replica, 2)) as rt:
+            with anyio.fail_after(30):
+                await SchedulerActor(rt).run()
+    cfg = _cfg(kafka_bootstrap, nats_url, unique_name, path, 100)
+    async with Runtime(cfg) as rt:
+        bucket, store = rt.names.bucket(cfg.nats.kv_bucket), rt.require_nats()
+        positions = [json.loads(await store.kv_get(bucket, scheduler_status_key(r)) or b"{}")["source_positions"]
+                     for r in (0, 1)]
+        assert positions == [{"file:shared.jsonl": 1}, {"file:shared.jsonl": 2}]
+    for replica in (0, 1):
+        async with Runtime(_cfg(kafka_bootstrap, nats_url, unique_name, path, 100, replica, 2)) as rt:
+            actor = SchedulerActor(rt)
+            with anyio.fail_after(30):
+                await actor.run()
+            assert actor.done and actor.tasks_admitted == 3
+    tasks = await _issued(cfg, rt.names.tasks, 6)
+    assert sorted(t.spec["task_file_id"] for t in tasks) == [f"q{i}" for i in range(6)]  # each once
