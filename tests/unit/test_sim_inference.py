@@ -144,3 +144,22 @@ def test_calibration_fit_recovers_a_line_and_reports_its_error() -> None:
     assert fit == pytest.approx((0.1, 0.002))
     assert _rel_error(xs, ys, fit) == pytest.approx(0.0, abs=1e-9)
     assert _rel_error(xs, [y * 1.2 for y in ys], fit) == pytest.approx(1 - 1 / 1.2)
+
+
+def test_serve_sim_stops_with_a_clear_error_when_its_tokenizer_cannot_load(tmp_path) -> None:
+    """The sim server shares the local server's start-up: a tokenizer that fails to load ends ``serve``
+    with ModelLoadError (no server that answers 503 forever)."""
+    from actors.inference.local.server import ModelLoadError
+    from actors.inference.sim.server import serve_sim
+
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    bound: list[int] = []
+
+    async def main() -> None:
+        await asyncio.wait_for(serve_sim(ServerConfig(model_dir=str(empty), port=0),
+                                         on_bound=lambda host, port: bound.append(port)), 60)
+
+    with pytest.raises(ModelLoadError, match="tokenizer load failed"):
+        asyncio.run(main())
+    assert bound and bound[0] > 0  # it listened first, then stopped

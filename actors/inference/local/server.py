@@ -24,7 +24,7 @@ import tempfile
 import time
 import socket
 from dataclasses import dataclass, field, replace
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -128,8 +128,8 @@ class ModelLoadError(RuntimeError):
     """The served model could not be loaded: :func:`serve` stops with it (no server waits forever on a 503)."""
 
 
-class _State:
-    """The app's engine slot; ``engine`` is ``None`` until the model is loaded."""
+class ServerState:
+    """The app's engine slot; ``engine`` is ``None`` until the model is loaded (or the engine built)."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -140,10 +140,10 @@ class _State:
         self.tmp: tempfile.TemporaryDirectory[str] | None = None
 
 
-_STATE = web.AppKey("state", _State)
+_STATE = web.AppKey("state", ServerState)
 
 
-def _state(request: web.Request) -> _State:
+def _state(request: web.Request) -> ServerState:
     return request.app[_STATE]
 
 
@@ -151,7 +151,7 @@ def _json_error(exc: ProtocolError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
 
-def _not_ready(state: _State) -> web.Response:
+def _not_ready(state: ServerState) -> web.Response:
     message = state.load_error or "The server is not ready: the model is still loading."
     return web.json_response({"error": {"message": message}}, status=503)
 
@@ -486,7 +486,7 @@ async def handle_health_generate(request: web.Request) -> web.Response:
 # ------------------------------------------------------------------------ app
 
 
-async def _load_engine(state: _State) -> None:
+async def _load_engine(state: ServerState) -> None:
     from transformers.utils import logging as hf_logging
 
     from actors.llm import load_model_dir, write_tiny_model_dir
@@ -529,15 +529,20 @@ async def _load_engine(state: _State) -> None:
         freeze_startup_heap()
 
 
-def build_app(config: ServerConfig) -> web.Application:
-    """The aiohttp application; the model starts loading when the app starts."""
+EngineStarter = Callable[[ServerState], Coroutine[Any, Any, None]]
+"""Builds and starts the served engine and puts it in ``state.engine``; on failure it sets
+``state.load_error`` and ``state.load_failed`` (the sim backend brings its own: no model to load)."""
+
+
+def build_app(config: ServerConfig, start_engine: EngineStarter = _load_engine) -> web.Application:
+    """The aiohttp application; the model starts loading (``start_engine`` runs) when the app starts."""
     middlewares = [_auth_middleware(config.api_key)] if config.api_key else []
     app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=middlewares)
-    state = _State(config)
+    state = ServerState(config)
     app[_STATE] = state
 
     async def lifecycle(app: web.Application) -> Any:
-        loader = asyncio.create_task(_load_engine(state))
+        loader = asyncio.create_task(start_engine(state))
         yield
         loader.cancel()
         try:
@@ -576,7 +581,8 @@ def build_app(config: ServerConfig) -> web.Application:
     return app
 
 
-async def serve(config: ServerConfig, *, on_bound: Callable[[str, int], None] | None = None) -> None:
+async def serve(config: ServerConfig, *, on_bound: Callable[[str, int], None] | None = None,
+                start_engine: EngineStarter = _load_engine) -> None:
     """Run the server until cancelled; ``on_bound(host, port)`` is called once the socket listens.
 
     Raises :class:`InsecureBindError` (before binding) for a non-loopback host without an api key, and
@@ -587,7 +593,7 @@ async def serve(config: ServerConfig, *, on_bound: Callable[[str, int], None] | 
         raise InsecureBindError(config.host)
     sock = socket.create_server((config.host, config.port))
     config = replace(config, port=int(sock.getsockname()[1]))
-    app = build_app(config)
+    app = build_app(config, start_engine)
     state = app[_STATE]
     runner = web.AppRunner(app, access_log=None)
     try:

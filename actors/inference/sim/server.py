@@ -1,15 +1,14 @@
 """The sim backend's HTTP server: the local server's app and handlers, with a :class:`SimEngine` inside.
 
 Why: one HTTP layer, one protocol parser; only the engine differs. The local app loads a model on
-start; here that start-up step is replaced by building a SimEngine (no model is loaded).
+start; here that start-up step (``start_engine``) builds a SimEngine instead (no model is loaded).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiohttp import web
@@ -42,40 +41,32 @@ def _tokenizer(model_dir: str | None) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def build_sim_app(config: ServerConfig, options: SimOptions = SimOptions()) -> web.Application:
-    """The local server's application serving a SimEngine (SIMULATED compute, synthetic tokens)."""
-    app = local_server.build_app(config)
-    state = app[local_server._STATE]
-    app.cleanup_ctx.clear()
-
-    async def lifecycle(app: web.Application) -> Any:
-        tokenizer = await asyncio.to_thread(_tokenizer, config.model_dir)
+def _sim_starter(options: SimOptions) -> local_server.EngineStarter:
+    async def start(state: local_server.ServerState) -> None:
+        config = state.config
+        try:
+            tokenizer = await asyncio.to_thread(_tokenizer, config.model_dir)
+        except Exception as exc:
+            log.exception("tokenizer load failed")
+            state.load_error = f"tokenizer load failed: {exc!r}"
+            state.load_failed.set()
+            return
         engine = SimEngine(options.roofline, options.lengths, tokenizer, max_batch=config.max_batch,
                            time_scale=options.time_scale, token_scale=options.token_scale, seed=config.seed,
                            weight_version=config.weight_version)
         await engine.start()
         state.engine = engine  # type: ignore[assignment]  # same public API as LocalEngine
         log.info("SIMULATED inference server: %s, token_scale %d", options.roofline.describe(), options.token_scale)
-        yield
-        await engine.aclose()
 
-    app.cleanup_ctx.append(lifecycle)
-    return app
+    return start
+
+
+def build_sim_app(config: ServerConfig, options: SimOptions = SimOptions()) -> web.Application:
+    """The local server's application serving a SimEngine (SIMULATED compute, synthetic tokens)."""
+    return local_server.build_app(config, _sim_starter(options))
 
 
 async def serve_sim(config: ServerConfig, options: SimOptions = SimOptions(), *, on_bound: Callable[[str, int], None] | None = None) -> None:
-    """Serve until cancelled; same loopback/api-key rule as the local server; port 0 picks a free one."""
-    if not config.api_key and not local_server.is_loopback(config.host):
-        raise local_server.InsecureBindError(config.host)
-    sock = socket.create_server((config.host, config.port))
-    config = replace(config, port=int(sock.getsockname()[1]))
-    runner = web.AppRunner(build_sim_app(config, options), access_log=None)
-    try:
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        if on_bound is not None:
-            on_bound(config.host, config.port)
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
-        sock.close()
+    """Serve until cancelled; the local server's :func:`~actors.inference.local.server.serve` (same
+    loopback/api-key rule, port 0 picks a free one) with a SimEngine in place of the model."""
+    await local_server.serve(config, on_bound=on_bound, start_engine=_sim_starter(options))
