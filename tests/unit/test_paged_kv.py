@@ -160,6 +160,34 @@ async def test_a_group_shares_its_prompt_blocks(model, tok) -> None:  # type: ig
         await engine.aclose()
 
 
+@pytest.mark.anyio
+async def test_a_group_is_admitted_on_the_blocks_its_samples_share(model, tok) -> None:  # type: ignore[no-untyped-def]
+    """A pool that holds two samples' worst cases but the whole group's shared one: once the first sample
+    has computed the prompt, the other seven are admitted on sharing its blocks (each counts only what it
+    adds) and run together; the outputs are those of a pool large enough for all eight worst cases."""
+    prompt = tok.encode("# goal: write the numbers 1 to 9 into n.txt, one a line, then sort\n$ ")
+    worst = -(-(len(prompt) + 10) // 4)  # blocks of one sample's worst case (block size 4)
+    pool = 4 * (worst + 7 * (worst - (len(prompt) - 1) // 4) + 4)
+    assert 2 * worst * 4 <= pool < 3 * worst * 4  # two samples' worst cases fit, three do not
+    outputs = {}
+    for tokens in (8 * 4 * worst, pool):
+        engine = LocalEngine(model, tok, max_batch=8, chunk_size=512, kv_cache_tokens=tokens, kv_block_size=4)
+        await engine.start()
+        try:
+            group = [engine.submit(prompt, GREEDY) for _ in range(8)]
+            running = 0
+            while not all(s.finished for s in group):
+                running = max(running, engine.statistics().running)
+                await next(s for s in group if not s.finished).wait_changed()
+            assert running == 8
+            assert engine.statistics().kv_blocks_used <= tokens // 4
+            outputs[tokens] = [s.output_ids for s in group]
+            assert engine.flush_cache() and engine.statistics().kv_blocks_used == 0  # every block came back
+        finally:
+            await engine.aclose()
+    assert outputs[pool] == outputs[8 * 4 * worst]
+
+
 @pytest.mark.parametrize("consecutive", [True, False])
 def test_cascade_decode_over_a_shared_prefix_matches_the_full_forward(model, tok, consecutive: bool) -> None:  # type: ignore[no-untyped-def]
     """Rows sharing prompt blocks attend to them together (one read) and to their own keys after: same logits."""

@@ -466,13 +466,16 @@ class LocalEngine:
                     continue
                 self._blocked = 0
                 while self._waiting and len(self._running) < self.max_batch:
-                    if not self._fits(self._waiting[0]):
+                    shared = self._admission(self._waiting[0])
+                    if shared is None:
                         self._blocked = len(self._waiting)  # first come, first served: the head waits for blocks
                         break
                     seq = self._waiting.popleft()
                     seq.slot = self.runner.acquire()
                     seq.kv_epoch = self._epoch
                     self._running.append(seq)
+                    if shared:  # admitted on the strength of blocks it shares: take them now
+                        self._share_prefix(seq, restore=False)
                 prefill, decode = self._plan()
                 if not prefill and not decode:
                     continue
@@ -499,27 +502,48 @@ class LocalEngine:
     def _worst_case_tokens(self, prompt: int, max_new_tokens: int) -> int:
         return min(prompt + max_new_tokens, self.context_length)
 
-    def _future_blocks(self, seq: Sequence) -> int:
-        """Blocks ``seq`` may still allocate: its worst case minus the blocks its table holds."""
+    def _future_blocks(self, seq: Sequence, credit: int = 0) -> int:
+        """Blocks ``seq`` may still allocate: its worst case minus the blocks its table holds (or, not yet
+        admitted, the ``credit`` of blocks it will share)."""
         assert isinstance(self.runner, PagedRunner)
         worst = self.runner.blocks_for(self._worst_case_tokens(len(seq.prompt_ids), seq.params.max_new_tokens))
-        held = self.runner.held_blocks(seq.slot) if seq.slot is not None else 0
+        held = self.runner.held_blocks(seq.slot) if seq.slot is not None else credit
         return max(0, worst - held)
 
-    def _fits(self, seq: Sequence) -> bool:
+    def _shareable_blocks(self, seq: Sequence) -> int:
+        """Full blocks of ``seq``'s prompt that a running sequence holds computed now: sharing them by
+        reference, ``seq`` never allocates them. (The prefix tree's unshared blocks are not counted: making
+        room may evict them.)"""
+        if not self.prefix_sharing:
+            return 0
+        assert isinstance(self.runner, PagedRunner)
+        limit, best = len(seq.prompt_ids) - 1, 0
+        for other in self._running:
+            if other.slot is not None and other.kv_epoch == self._epoch and other.cached > best:
+                best = max(best, min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit))
+        return best // self.runner.block_size
+
+    def _admission(self, seq: Sequence) -> int | None:
         """Admission control of the paged store: admit ``seq`` only if every running sequence's worst case
         and its own fit in the free blocks (evicting the prefix tree's unshared leaves if needed), so no
-        generation ever runs out of blocks mid-way; otherwise it waits in the queue."""
+        generation ever runs out of blocks mid-way; otherwise it waits in the queue (None).
+
+        A sample of a group whose prompt another sample has computed counts only what it adds (the group
+        of 8 on an 8k-token prompt needs 8k + 8 x its new tokens, not 8 x 8k): returns how many blocks it
+        was admitted on sharing (the caller shares them at once, before anything can change), else 0.
+        """
         if not isinstance(self.runner, PagedRunner):
-            return True
-        need = self._future_blocks(seq) + sum(self._future_blocks(r) for r in self._running)
+            return 0
+        credit = self._shareable_blocks(seq)
+        need = self._future_blocks(seq, credit) + sum(self._future_blocks(r) for r in self._running)
         short = need - self.runner.free_blocks
-        if short <= 0:
-            return True
-        if self.radix is None or self.radix.evictable() < short:
-            return False
-        self.radix.evict(short)
-        return self.runner.free_blocks >= need
+        if short > 0:
+            if self.radix is None or self.radix.evictable() < short:
+                return None
+            self.radix.evict(short)
+            if self.runner.free_blocks < need:
+                return None
+        return credit
 
     def _demote_blocks(self, tokens: list[int], blocks: list[int]) -> None:
         """The prefix tree evicts a leaf: keep its whole prefix in the int8 tier."""
@@ -557,8 +581,9 @@ class LocalEngine:
                 prefill.append((seq, chunk))
         return prefill, decode
 
-    def _share_prefix(self, seq: Sequence) -> None:
-        """Copy the longest prefix of ``seq``'s prompt held by a running sequence or the prefix cache."""
+    def _share_prefix(self, seq: Sequence, *, restore: bool = True) -> None:
+        """Copy the longest prefix of ``seq``'s prompt held by a running sequence or the prefix cache
+        (``restore=False``: not from the int8 tier, whose copy takes new blocks)."""
         best, source = seq.cached, None
         limit = len(seq.prompt_ids) - 1
         for other in self._running:
@@ -570,7 +595,7 @@ class LocalEngine:
         if seq.slot is None:
             return
         if self.radix is not None:
-            self._share_paged(seq, best, source, limit)
+            self._share_paged(seq, best, source, limit, restore)
             return
         retained, kv = self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch) if best < limit else (0, None)
         if kv is not None and retained > best:
@@ -582,7 +607,7 @@ class LocalEngine:
             self._shared_tokens += best - seq.cached
             seq.cached = seq.cached_tokens = best
 
-    def _share_paged(self, seq: Sequence, best: int, source: Sequence | None, limit: int) -> None:
+    def _share_paged(self, seq: Sequence, best: int, source: Sequence | None, limit: int, restore: bool) -> None:
         """Paged store: adopt the prefix tree's blocks, share a running sequence's, or restore from int8.
 
         Only a sequence holding nothing yet restores from the int8 tier (new blocks): with blocks already
@@ -593,7 +618,7 @@ class LocalEngine:
         tree = len(blocks) * self.radix.block_size + tail
         floor = max(best, tree, seq.cached)
         cold, kv = (self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch, floor=floor)
-                    if seq.cached == 0 and floor < limit else (0, None))
+                    if restore and seq.cached == 0 and floor < limit else (0, None))
         if kv is not None and cold > floor:
             self.runner.import_prefix(seq.slot, kv, cold)
             self.prefix_cache.record_hit(cold)
