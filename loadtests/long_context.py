@@ -8,6 +8,10 @@ Every ratio is measured against a baseline run in this same script, on the same 
    computed with over without (goal <= 1.2/8), and the group's time to first token (all 8 samples
    have a token) without over with. ``repeat_group_prefill_tokens``: the same group sent again after
    the first finished: what the retained prefix cache leaves to compute.
+   ``group_admission_speedup``: 2 (full: 4) such groups, one prompt each, through a pool that holds only
+   3 samples' worst cases: admission that credits a sample the prompt blocks it shares with its group
+   over admission that counts each at its whole worst case; the most sequences running at once, and
+   whether the greedy outputs are identical.
 2. ``paged_decode_speedup``: decode throughput of N concurrent sequences (a group's samples) of L context
    tokens through the engine's paged store (one batched step; the shared prompt's blocks attended once
    per step for the group) against the naive per-sequence baseline:
@@ -75,7 +79,7 @@ def _chat_ids(tok: Any, prompt: str) -> list[int]:
 def _engine(model: Any, tok: Any, dtype: str, **kw: Any) -> Any:
     from actors.inference.local.engine import LocalEngine
 
-    return LocalEngine(model, tok, max_batch=GROUP, chunk_size=CHUNK, dtype=dtype, **kw)
+    return LocalEngine(model, tok, **{"max_batch": GROUP, "chunk_size": CHUNK, "dtype": dtype, **kw})
 
 
 # ------------------------------------------------------------------------ 1. a group on one prompt
@@ -119,6 +123,42 @@ async def measure_group(model: Any, tok: Any, dtype: str, prompt: list[int]) -> 
             await engine.aclose()
     out["group_prefill_ratio"] = out["prefill_tokens_shared"] / out["prefill_tokens_unshared"]
     out["group_ttft_speedup"] = out["ttft_s_unshared"] / out["ttft_s_shared"]
+    return out
+
+
+async def measure_group_admission(model: Any, tok: Any, dtype: str, prompts: list[list[int]],
+                                  new_tokens: int = 16) -> dict[str, Any]:
+    """Groups of 8 samples (one distinct prompt each) through a pool that holds 3 samples' worst cases:
+    admitted on the prompt blocks a group's samples share against each counted at its whole worst case
+    (``LocalEngine.admission_credit``). Seconds until every sample finished, and the most running at once."""
+    from actors.inference.local.protocol import SamplingParams
+
+    block = 16
+    worst = max(-(-(len(p) + new_tokens) // block) for p in prompts)
+    out: dict[str, Any] = {"groups": len(prompts), "group": GROUP, "prompt_tokens": [len(p) for p in prompts],
+                           "new_tokens": new_tokens, "pool_tokens": 3 * worst * block}
+    outputs = {}
+    for credit in (False, True):
+        engine = _engine(model, tok, dtype, max_batch=GROUP * len(prompts), kv_cache_tokens=3 * worst * block,
+                         kv_block_size=block)
+        engine.admission_credit = credit
+        await engine.start()
+        try:
+            t0 = time.monotonic()
+            seqs = [engine.submit(p, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+                    for p in prompts for _ in range(GROUP)]
+            running = 0
+            while not all(s.finished for s in seqs):
+                running = max(running, engine.statistics().running)
+                await next(s for s in seqs if not s.finished).wait_changed()
+            key = "credit" if credit else "no_credit"
+            out[f"seconds_{key}"] = round(time.monotonic() - t0, 3)
+            out[f"max_running_{key}"] = running
+            outputs[credit] = [s.output_ids for s in seqs]
+        finally:
+            await engine.aclose()
+    out["group_admission_speedup"] = out["seconds_no_credit"] / out["seconds_credit"]
+    out["outputs_identical"] = outputs[True] == outputs[False]
     return out
 
 
@@ -341,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         group_tokens, decode_n, decode_ctx, decode_steps, sparse_n, sparse_tokens, window = 2000, 32, 4000, 16, 8, 7500, 1024
         tier_n, tier_tokens = 8, 2000
     sinks = 4
+    admit_groups, admit_tokens = (2, 1000) if args.quick else (4, 2000)
     t_start = time.monotonic()
+    from actors.domain_longdoc import make_longdoc_tokens
+
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:
         model, tok, model_kind = _load(args.model_dir, tmp)
         from actors.inference.local.engine import SERVING_DTYPES
@@ -350,11 +393,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model_kind}; dtype {args.dtype}; {args.threads} threads; quick={args.quick}", flush=True)
         group = asyncio.run(measure_group(model, tok, args.dtype, _group_prompt(tok, group_tokens)))
         print(f"group done ({time.monotonic() - t_start:.0f}s)", flush=True)
+        rng = random.Random(13)
+        admission = asyncio.run(measure_group_admission(
+            model, tok, args.dtype, [_chat_ids(tok, make_longdoc_tokens(rng, admit_tokens).prompt)
+                                     for _ in range(admit_groups)]))
+        print(f"group admission done ({time.monotonic() - t_start:.0f}s)", flush=True)
         decode = measure_decode(model, decode_n, decode_ctx, decode_steps)
         print(f"decode done ({time.monotonic() - t_start:.0f}s)", flush=True)
         budget = kv_budget(model)
-        from actors.domain_longdoc import make_longdoc_tokens
-
         rng = random.Random(11)
         tier_prompts = [_chat_ids(tok, make_longdoc_tokens(rng, tier_tokens).prompt) for _ in range(tier_n)]
         tier = asyncio.run(measure_int8_tier(model, tok, args.dtype, tier_prompts))
@@ -366,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "group_prefill_ratio": group["group_prefill_ratio"],
         "group_prefill_goal": 1.2 / GROUP,
         "group_ttft_speedup": group["group_ttft_speedup"],
+        "group_admission_speedup": admission["group_admission_speedup"],
         "paged_decode_speedup": decode["paged_decode_speedup"],
         "max_context_tokens_tiered": {"without_tier": budget[f"max_context_tokens_{args.dtype}"],
                                       "with_int8_tier": budget["max_context_tokens_int8_tier_measured"],
@@ -376,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         "sparse_speed_ratio": sparse["sparse_speed_ratio"],
         "sparse_output_agreement": sparse["sparse_output_agreement"],
         "answer_logprob_delta": sparse["answer_logprob_delta"],
-        "details": {"group": group, "decode": decode, "kv_budget": budget, "int8_tier": tier, "sparse": sparse},
+        "details": {"group": group, "group_admission": admission, "decode": decode, "kv_budget": budget, "int8_tier": tier, "sparse": sparse},
         "seconds": round(time.monotonic() - t_start, 1),
     }
     rows = [
@@ -387,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
          f"{group['ttft_s_unshared']}s unshared / {group['ttft_s_shared']}s shared"),
         ("repeat_group_prefill_tokens", str(group["repeat_group_prefill_tokens"]),
          f"the same group again: {group['prefix_cache_hits']} prefix-cache hits (last prompt token: a decode row)"),
+        ("group_admission_speedup", f"{admission['group_admission_speedup']:.2f}x",
+         f"{admission['groups']} groups x {GROUP} in a pool of 3 worst cases ({admission['pool_tokens']} tokens): "
+         f"{admission['seconds_no_credit']}s / {admission['seconds_credit']}s, at most "
+         f"{admission['max_running_no_credit']} / {admission['max_running_credit']} running "
+         f"(each sample at its worst case / credited the blocks it shares)"),
         ("paged_decode_speedup", f"{decode['paged_decode_speedup']:.2f}x",
          f"{decode['engine_tokens_per_s']} vs {decode['hf_tokens_per_s']} tok/s, {decode['sequences']} seqs x "
          f"{decode['context']} ctx; {decode['paged_over_slot']:.2f}x the slot store ({decode['slot_tokens_per_s']} tok/s); "

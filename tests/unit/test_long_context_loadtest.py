@@ -28,6 +28,10 @@ def test_quick_run_on_the_fixture_writes_every_figure(tmp_path: Path, capsys: py
     assert group["prefill_tokens_shared"] == group["prompt_tokens"]
     assert result["group_prefill_ratio"] == pytest.approx(1 / 8) and result["group_prefill_ratio"] <= 1.2 / 8
     assert group["repeat_group_prefill_tokens"] == 0 and group["prefix_cache_hits"] >= 1
+    admission = result["details"]["group_admission"]
+    # credited the blocks they share, both groups' 16 samples run at once in a pool of 3 worst cases
+    assert admission["max_running_credit"] == 16 > admission["max_running_no_credit"]
+    assert result["group_admission_speedup"] > 0
     for key in ("group_ttft_speedup", "paged_decode_speedup", "sparse_speed_ratio"):
         assert result[key] > 0
     tiers = result["max_context_tokens_tiered"]

@@ -207,6 +207,9 @@ class LocalEngine:
             attention_window=attention_window, attention_sinks=attention_sinks)
         self.prefix_sharing = prefix_sharing
         """False: every sequence computes its whole prompt (no copies from running sequences or the cache)."""
+        self.admission_credit = True
+        """Paged store: admit a waiting request on the prompt blocks it can share (False: at its whole worst
+        case, as before; ``loadtests/long_context.py`` measures the difference)."""
         retained = prefix_cache_tokens if prefix_sharing else 0
         self.radix: BlockRadix | None = None
         """The paged store's retained prefix cache (a radix tree over blocks); None with the slot store."""
@@ -514,7 +517,7 @@ class LocalEngine:
         """Full blocks of ``seq``'s prompt that a running sequence holds computed now: sharing them by
         reference, ``seq`` never allocates them. (The prefix tree's unshared blocks are not counted: making
         room may evict them.)"""
-        if not self.prefix_sharing:
+        if not (self.prefix_sharing and self.admission_credit):
             return 0
         assert isinstance(self.runner, PagedRunner)
         limit, best = len(seq.prompt_ids) - 1, 0
