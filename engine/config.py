@@ -202,6 +202,13 @@ class InferenceConfig(Section):
     """Local backend: a second tier of the prefix cache holding this many more tokens, int8-quantised
     (entries evicted from the first tier; restored on a hit, close to but not bit-equal with the computed
     KV); 0 (default): none (`rollout inference serve --prefix-cache-int8-tokens`)."""
+    prefix_cache_disk_tokens: int = Field(0, ge=0)
+    """Local backend: a third tier below the int8 one holding this many more tokens on disk (entries the
+    int8 tier evicts, still int8, a file each; read back on a hit); 0 (default): none. Needs the int8 tier
+    (`--prefix-cache-disk-tokens`)."""
+    prefix_cache_disk_dir: str | None = None
+    """Local backend: where the disk tier makes its private directory (default: the system's temporary
+    directory); removed when the server stops (`--prefix-cache-disk-dir`)."""
     attention_window: int | None = Field(None, ge=1)
     """Local backend: sliding-window attention over the last N positions (plus `attention_sinks`) for
     long inputs; None (default) is full attention. Changes the model's outputs: measure it first
@@ -241,6 +248,13 @@ class InferenceConfig(Section):
     def _one_api_key_source(self) -> "InferenceConfig":
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("api_key and api_key_file are both set; give one")
+        return self
+
+    @model_validator(mode="after")
+    def _disk_tier_below_int8(self) -> "InferenceConfig":
+        if self.prefix_cache_disk_tokens and not self.prefix_cache_int8_tokens:
+            raise ValueError("prefix_cache_disk_tokens needs prefix_cache_int8_tokens: the disk tier holds what "
+                             "the int8 tier evicts")
         return self
 
     def resolved_api_key(self) -> str | None:

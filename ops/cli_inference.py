@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
 
@@ -43,6 +44,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--prefix-cache-int8-tokens", type=int, default=0,
                        help="a second, int8-compressed tier of the prefix cache: tokens evicted from the first are "
                             "quantised and kept this many more; 0: none (default: 0)")
+    serve.add_argument("--prefix-cache-disk-tokens", type=int, default=0,
+                       help="a third tier on disk below the int8 one: tokens it evicts are written (still int8, a "
+                            "file each) and kept this many more; needs --prefix-cache-int8-tokens; 0: none (default: 0)")
+    serve.add_argument("--prefix-cache-disk-dir",
+                       help="directory in which the disk tier makes its own (removed at exit; default: the system's "
+                            "temporary directory)")
     serve.add_argument("--kv-cache", choices=["paged", "slot"], default="paged",
                        help="KV store: paged (fixed-size blocks, a block table per sequence, shared prefix blocks, "
                             "a radix tree of retained prefixes) or slot (a preallocated row per sequence) "
@@ -105,6 +112,15 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout inference serve: --prefix-cache-int8-tokens must be >= 0, got {args.prefix_cache_int8_tokens}",
               file=sys.stderr)
         return 2
+    if args.prefix_cache_disk_tokens < 0 or (args.prefix_cache_disk_tokens and not args.prefix_cache_int8_tokens):
+        print(f"rollout inference serve: --prefix-cache-disk-tokens must be >= 0 and needs --prefix-cache-int8-tokens "
+              f"(the disk tier holds what the int8 tier evicts), got {args.prefix_cache_disk_tokens} with "
+              f"--prefix-cache-int8-tokens {args.prefix_cache_int8_tokens}", file=sys.stderr)
+        return 2
+    if args.prefix_cache_disk_dir is not None and not Path(args.prefix_cache_disk_dir).is_dir():
+        print(f"rollout inference serve: --prefix-cache-disk-dir {args.prefix_cache_disk_dir} is not a directory",
+              file=sys.stderr)
+        return 2
     if args.kv_block_size < 1 or args.kv_cache_tokens < args.kv_block_size:
         print(f"rollout inference serve: --kv-block-size must be >= 1 and --kv-cache-tokens at least one block, got "
               f"--kv-block-size {args.kv_block_size} --kv-cache-tokens {args.kv_cache_tokens}", file=sys.stderr)
@@ -146,6 +162,8 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefix_cache_int8_tokens=args.prefix_cache_int8_tokens,
+        prefix_cache_disk_tokens=args.prefix_cache_disk_tokens,
+        prefix_cache_disk_dir=args.prefix_cache_disk_dir,
         kv_cache=args.kv_cache,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_block_size=args.kv_block_size,

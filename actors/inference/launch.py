@@ -64,7 +64,8 @@ class LocalServer:
                  startup_timeout_s: float = 120.0, api_key: str | None = None, dtype: str = "fp32",
                  prefix_cache_tokens: int = 8192, attention_window: int | None = None,
                  attention_sinks: int = 0, prefix_cache_int8_tokens: int = 0, backend: str = "local",
-                 kv_cache: str = "paged", kv_cache_tokens: int = 65536) -> None:
+                 kv_cache: str = "paged", kv_cache_tokens: int = 65536, prefix_cache_disk_tokens: int = 0,
+                 prefix_cache_disk_dir: str | None = None) -> None:
         self.model_dir = str(model_dir)
         self.api_key = api_key
         self.log_path = Path(log_path)
@@ -74,6 +75,8 @@ class LocalServer:
         self.dtype = dtype
         self.prefix_cache_tokens = prefix_cache_tokens
         self.prefix_cache_int8_tokens = prefix_cache_int8_tokens
+        self.prefix_cache_disk_tokens = prefix_cache_disk_tokens
+        self.prefix_cache_disk_dir = prefix_cache_disk_dir
         self.kv_cache = kv_cache
         self.kv_cache_tokens = kv_cache_tokens
         self.backend = backend
@@ -98,6 +101,10 @@ class LocalServer:
                 "--prefix-cache-int8-tokens", str(self.prefix_cache_int8_tokens), "--backend", self.backend]
         if self.backend == "local":
             argv += ["--kv-cache", self.kv_cache, "--kv-cache-tokens", str(self.kv_cache_tokens)]
+            if self.prefix_cache_disk_tokens:
+                argv += ["--prefix-cache-disk-tokens", str(self.prefix_cache_disk_tokens)]
+                if self.prefix_cache_disk_dir:
+                    argv += ["--prefix-cache-disk-dir", self.prefix_cache_disk_dir]
         if self.attention_window is not None:
             argv += ["--attention-window", str(self.attention_window), "--attention-sinks", str(self.attention_sinks)]
         env = dict(os.environ)
@@ -170,7 +177,8 @@ def launch_local(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalS
                        dtype=cfg.dtype, api_key=cfg.resolved_api_key(), prefix_cache_tokens=cfg.prefix_cache_tokens,
                        attention_window=cfg.attention_window, attention_sinks=cfg.attention_sinks,
                        prefix_cache_int8_tokens=cfg.prefix_cache_int8_tokens, kv_cache=cfg.kv_cache,
-                       kv_cache_tokens=cfg.kv_cache_tokens)
+                       kv_cache_tokens=cfg.kv_cache_tokens, prefix_cache_disk_tokens=cfg.prefix_cache_disk_tokens,
+                       prefix_cache_disk_dir=cfg.prefix_cache_disk_dir)
 
 
 def launch_sim(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalServer:

@@ -459,7 +459,8 @@ def test_a_missing_model_dir_is_refused_before_listening(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(("flag", "value"), [("--prefix-cache-tokens", "-1"), ("--attention-window", "0"),
                                             ("--attention-sinks", "-2"), ("--kv-block-size", "0"),
-                                            ("--kv-cache-tokens", "8")])
+                                            ("--kv-cache-tokens", "8"), ("--prefix-cache-disk-tokens", "4096"),
+                                            ("--prefix-cache-disk-dir", "/nonexistent/kv")])
 def test_bad_cache_and_window_flags_are_refused_before_listening(flag: str, value: str) -> None:
     done = subprocess.run([sys.executable, "-m", "ops.cli", "inference", "serve", "--port", "0", flag, value],
                           cwd=REPO, capture_output=True, text=True, timeout=120)

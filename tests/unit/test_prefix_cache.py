@@ -296,3 +296,69 @@ def test_an_int8_only_tier_keeps_an_entry_a_hit_used_part_of() -> None:
     assert cache.lookup([1, 2, 3, 9], limit=3, epoch=0, floor=3) == (0, None)  # nothing longer than the floor
     with pytest.raises(ValueError, match="no hot tier"):
         PrefixCache(16, bytes_per_token=4, int8_only=True)
+
+
+def test_the_int8_tiers_evictions_go_to_disk_and_come_back_on_a_hit(tmp_path: Path) -> None:
+    """Three tiers: hot -> int8 -> disk (still int8, a file each); a disk hit reads the entry back, its file
+    removed; a damaged file is a miss, never a wrong answer; weight changes and close delete the files."""
+    cache = PrefixCache(max_tokens=6, bytes_per_token=4, int8_tokens=6, disk_tokens=12, disk_dir=tmp_path)
+    prompts = {i: [10 * i + j for j in range(5)] for i in range(1, 5)}
+    kvs = {i: torch.randn(1, 2, 1, 5, 4) for i in prompts}
+    for i in (1, 2, 3):  # 1 goes hot -> int8 -> disk, 2 hot -> int8, 3 stays hot
+        assert cache.insert(prompts[i], lambda n, i=i: kvs[i][:, :, :, :n], epoch=0)
+    stats = cache.statistics()
+    assert (stats.tokens, stats.int8_tokens, stats.disk_tokens, stats.disk_entries) == (5, 5, 5, 1)
+    assert cache.disk_dir is not None and cache.disk_dir.parent == tmp_path
+    files = list(cache.disk_dir.iterdir())
+    assert len(files) == 1 and stats.disk_bytes == 5 * 2 * 4 + 5 * 2 * 4  # int8 + a fp32 scale per position
+    n, kv = cache.lookup(prompts[1] + [0], limit=5, epoch=0)
+    assert n == 5 and kv is not None and torch.allclose(kv, kvs[1], atol=kvs[1].abs().max().item() / 127)
+    stats = cache.statistics()
+    assert (stats.disk_hits, stats.disk_hit_tokens, stats.tokens) == (1, 5, 5)  # promoted to the hot tier
+    assert not files[0].exists()
+    # the entry that came back pushed 3 down to int8 and 2 down to disk; a damaged file is a miss
+    assert cache.statistics().disk_entries == 1
+    (damaged,) = list(cache.disk_dir.iterdir())
+    damaged.write_bytes(b"not a tensor file")
+    assert cache.lookup(prompts[2], limit=5, epoch=0) == (0, None)
+    assert cache.statistics().disk_entries == 0 and not damaged.exists()
+    cache.insert(prompts[4], lambda n: kvs[4][:, :, :, :n], epoch=0)  # 1 -> int8, 3 -> disk
+    assert cache.statistics().disk_entries == 1
+    assert cache.lookup(prompts[3], limit=5, epoch=1) == (0, None)  # another epoch: never served
+    assert cache.clear() == 15 and not any(cache.disk_dir.iterdir())
+    cache.close()
+    assert not cache.disk_dir.exists()
+
+
+def test_a_disk_tier_needs_an_int8_tier_and_an_existing_directory(tmp_path: Path) -> None:
+    assert PrefixCache(8, bytes_per_token=4, disk_tokens=16).disk_dir is None  # nothing evicts into it
+    with pytest.raises(ValueError, match="is not a directory"):
+        PrefixCache(8, bytes_per_token=4, int8_tokens=8, disk_tokens=16, disk_dir=tmp_path / "absent")
+    from engine.config import InferenceConfig
+
+    with pytest.raises(ValueError, match="needs prefix_cache_int8_tokens"):
+        InferenceConfig(prefix_cache_disk_tokens=1024)
+
+
+@pytest.mark.anyio
+async def test_engine_serves_a_prefix_back_from_disk_under_the_paged_store(tok, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The paged store's tree evicts into int8, int8 into disk; the prompt sent again is served from disk."""
+    model = _model(tok)
+    prompts = [tok.encode(f"# task {i}: print the sum of {i} and 3\n$ ") for i in range(3)]
+    budget = len(prompts[0]) + 12
+    engine = LocalEngine(model, tok, max_batch=4, chunk_size=16, prefix_cache_tokens=budget,
+                         prefix_cache_int8_tokens=budget, prefix_cache_disk_tokens=4 * budget,
+                         prefix_cache_disk_dir=str(tmp_path), kv_block_size=4)
+    await engine.start()
+    try:
+        first = await _generate(engine, prompts[0])
+        for p in prompts[1:]:  # each pushes the one before down a tier
+            await _generate(engine, p)
+        assert engine.statistics().prefix_cache_disk_tokens > 0
+        again = await _generate(engine, prompts[0])
+        stats = engine.statistics()
+    finally:
+        await engine.aclose()
+    assert stats.prefix_cache_disk_hits == 1 and again.cached_tokens == len(prompts[0]) - 1
+    assert again.output_ids == first.output_ids
+    assert not any(tmp_path.iterdir())  # the engine's close removed its directory

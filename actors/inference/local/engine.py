@@ -155,6 +155,12 @@ class EngineStatistics:
     prefix_cache_int8_max_tokens: int = 0
     prefix_cache_int8_hits: int = 0
     prefix_cache_int8_hit_tokens: int = 0
+    prefix_cache_disk_tokens: int = 0
+    """Tokens held in the disk tier (evicted from the int8 tier, still int8, one file each)."""
+    prefix_cache_disk_bytes: int = 0
+    prefix_cache_disk_max_tokens: int = 0
+    prefix_cache_disk_hits: int = 0
+    prefix_cache_disk_hit_tokens: int = 0
 
 
 @dataclass
@@ -179,6 +185,8 @@ class LocalEngine:
         dtype: str = "fp32",
         prefix_cache_tokens: int = 8192,
         prefix_cache_int8_tokens: int = 0,
+        prefix_cache_disk_tokens: int = 0,
+        prefix_cache_disk_dir: str | None = None,
         prefix_sharing: bool = True,
         attention_window: int | None = None,
         attention_sinks: int = 0,
@@ -216,11 +224,13 @@ class LocalEngine:
         if isinstance(self.runner, PagedRunner):
             # retained prefixes stay in the pool's blocks (the tree); the int8 tier below takes evicted ones
             self.prefix_cache = PrefixCache(0, self.runner.bytes_per_token(), int8_only=True,
-                                            int8_tokens=prefix_cache_int8_tokens if retained else 0)
+                                            int8_tokens=prefix_cache_int8_tokens if retained else 0,
+                                            disk_tokens=prefix_cache_disk_tokens, disk_dir=prefix_cache_disk_dir)
             self.radix = BlockRadix(self.runner, retained,
                                     on_evict=self._demote_blocks if self.prefix_cache.int8_max_tokens else None)
         else:
-            self.prefix_cache = PrefixCache(retained, self.runner.bytes_per_token(), int8_tokens=prefix_cache_int8_tokens)
+            self.prefix_cache = PrefixCache(retained, self.runner.bytes_per_token(), int8_tokens=prefix_cache_int8_tokens,
+                                            disk_tokens=prefix_cache_disk_tokens, disk_dir=prefix_cache_disk_dir)
         self._epoch = 0  # bumped by every weight change: KV computed under another epoch is never reused
         self._shared_tokens = 0
         self.max_batch = max_batch
@@ -264,6 +274,7 @@ class LocalEngine:
                 await task
             except asyncio.CancelledError:
                 pass
+        self.prefix_cache.close()
 
     def statistics(self) -> EngineStatistics:
         cache = self.prefix_cache.statistics()
@@ -303,6 +314,11 @@ class LocalEngine:
             prefix_cache_int8_max_tokens=cache.int8_max_tokens,
             prefix_cache_int8_hits=cache.int8_hits,
             prefix_cache_int8_hit_tokens=cache.int8_hit_tokens,
+            prefix_cache_disk_tokens=cache.disk_tokens,
+            prefix_cache_disk_bytes=cache.disk_bytes,
+            prefix_cache_disk_max_tokens=cache.disk_max_tokens,
+            prefix_cache_disk_hits=cache.disk_hits,
+            prefix_cache_disk_hit_tokens=cache.disk_hit_tokens,
         )
         fields.update(paged)
         return EngineStatistics(**fields)

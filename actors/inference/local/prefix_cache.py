@@ -23,18 +23,31 @@ dimension; about 1/4 of fp32's bytes, 1/2 of bf16's) and kept LRU within its own
 whose best match is there dequantises it back into the serving dtype and promotes it to the hot tier.
 Keys and values restored from int8 are close to, not equal to, the ones computed (the greedy-agreement
 cost is measured by ``loadtests/long_context.py``); weight changes clear both tiers alike.
+
+A third tier on disk (``disk_tokens`` > 0, below the int8 tier, off by default): an entry the int8 tier
+evicts (least recently used) is written, still int8, to a file of its own in a private directory (made
+under ``disk_dir``, or the system's temporary directory; removed by :meth:`PrefixCache.close`) and kept
+LRU within its own token budget; a lookup whose best match is on disk reads it back into the int8 tier
+(with a hot tier: into the hot tier, dequantised) and removes the file. A file that cannot be read is
+dropped and the lookup falls back to the next best match. Weight changes delete the files.
 """
 
 from __future__ import annotations
 
+import logging
+import shutil
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 __all__ = ["PrefixCache", "PrefixCacheStatistics"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,12 @@ class PrefixCacheStatistics:
     int8_max_tokens: int = 0
     int8_hits: int = 0
     int8_hit_tokens: int = 0
+    disk_entries: int = 0
+    disk_tokens: int = 0
+    disk_bytes: int = 0
+    disk_max_tokens: int = 0
+    disk_hits: int = 0
+    disk_hit_tokens: int = 0
 
 
 @dataclass
@@ -76,6 +95,15 @@ class _Int8Entry:
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+@dataclass
+class _DiskEntry:
+    tokens: list[int]
+    path: Path  # torch.save of {"q", "scale"} (an _Int8Entry's tensors)
+    dtype: torch.dtype
+    epoch: int
+    nbytes: int
 
 
 def quantize_int8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +134,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def _longest(entries: "OrderedDict[int, _Entry] | OrderedDict[int, _Int8Entry]", tokens: list[int], limit: int,
+def _longest(entries: "OrderedDict[int, _Entry] | OrderedDict[int, _Int8Entry] | OrderedDict[int, _DiskEntry]", tokens: list[int], limit: int,
              epoch: int, floor: int) -> tuple[int, int | None]:
     """The entry of ``epoch`` sharing the longest prefix with ``tokens`` (capped at ``limit``) beyond ``floor``."""
     best, best_id = floor, None
@@ -119,7 +147,7 @@ def _longest(entries: "OrderedDict[int, _Entry] | OrderedDict[int, _Int8Entry]",
     return best, best_id
 
 
-_AnyEntry = TypeVar("_AnyEntry", "_Entry", "_Int8Entry")
+_AnyEntry = TypeVar("_AnyEntry", "_Entry", "_Int8Entry", "_DiskEntry")
 
 
 def _held(entries: "OrderedDict[int, _AnyEntry]", tokens: list[int], epoch: int,
@@ -145,13 +173,16 @@ class PrefixCache:
     """A token-prefix -> KV store bounded in tokens, LRU-evicted; see the module docstring."""
 
     def __init__(self, max_tokens: int, bytes_per_token: int, *, min_tokens: int = 2, int8_tokens: int = 0,
-                 int8_only: bool = False) -> None:
+                 int8_only: bool = False, disk_tokens: int = 0, disk_dir: str | Path | None = None) -> None:
         """``int8_only``: no hot tier (``max_tokens`` 0); the paged store's prefix tree feeds the int8 tier
-        through :meth:`store_int8` and a hit leaves it (the sequence's blocks go back to the tree)."""
+        through :meth:`store_int8` and a hit leaves it (the sequence's blocks go back to the tree).
+        ``disk_tokens``: the disk tier's budget below the int8 tier (0: none), in ``disk_dir``."""
         if max_tokens < 0:
             raise ValueError(f"prefix cache max_tokens must be >= 0, got {max_tokens}")
         if int8_tokens < 0:
             raise ValueError(f"prefix cache int8_tokens must be >= 0 (0: no int8 tier), got {int8_tokens}")
+        if disk_tokens < 0:
+            raise ValueError(f"prefix cache disk_tokens must be >= 0 (0: no disk tier), got {disk_tokens}")
         self.max_tokens = max_tokens
         if int8_only and max_tokens:
             raise ValueError("an int8-only prefix cache has no hot tier: max_tokens must be 0")
@@ -159,6 +190,15 @@ class PrefixCache:
         self._cold: OrderedDict[int, _Int8Entry] = OrderedDict()
         self._cold_tokens = 0
         self._cold_hits = self._cold_hit_tokens = 0
+        self.disk_max_tokens = disk_tokens if self.int8_max_tokens > 0 else 0
+        self._disk: OrderedDict[int, _DiskEntry] = OrderedDict()
+        self._disk_tokens = self._disk_bytes = 0
+        self._disk_hits = self._disk_hit_tokens = 0
+        self.disk_dir: Path | None = None
+        if self.disk_max_tokens:
+            if disk_dir is not None and not Path(disk_dir).is_dir():
+                raise ValueError(f"prefix cache disk_dir {str(disk_dir)!r} is not a directory")
+            self.disk_dir = Path(tempfile.mkdtemp(prefix="rollout-kv-", dir=disk_dir))
         self.bytes_per_token = bytes_per_token
         self.min_tokens = min_tokens
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
@@ -176,11 +216,18 @@ class PrefixCache:
         ``kv`` holds at least ``n`` positions (slice it); ``(0, None)`` on a miss. A hit counts in the
         statistics only once the caller uses it (:meth:`record_hit`).
         """
-        if not (self._entries or self._cold) or limit < 1:
+        if not (self._entries or self._cold or self._disk) or limit < 1:
             return 0, None
         self._lookups += 1
         best, best_id = _longest(self._entries, tokens, limit, epoch, floor)
         cold_best, cold_id = _longest(self._cold, tokens, limit, epoch, best)
+        while self._disk:
+            disk_best, disk_id = _longest(self._disk, tokens, limit, epoch, max(best, cold_best))
+            if disk_id is None or disk_best < self.min_tokens:
+                break
+            kv = self._load_disk(disk_id, disk_best)
+            if kv is not None:
+                return disk_best, kv
         if cold_id is not None and cold_best >= self.min_tokens:
             return cold_best, self._promote(cold_id, cold_best)
         if best_id is None or best < self.min_tokens:
@@ -201,6 +248,28 @@ class PrefixCache:
             self._store_hot(cold.tokens, kv, cold.epoch)
         else:
             self._cold.move_to_end(key)
+        return kv
+
+    def _load_disk(self, key: int, used: int) -> torch.Tensor | None:
+        """Read a disk entry back (into the hot tier, dequantised, or the int8 tier); its kv, or None if
+        its file cannot be read (the entry is dropped)."""
+        entry = self._disk[key]
+        try:
+            saved = torch.load(entry.path, weights_only=True)
+            q, scale = saved["q"], saved["scale"]
+        except Exception as exc:  # a file gone or damaged: a miss, never a wrong answer
+            log.warning("prefix cache: dropping disk entry %s: %r", entry.path, exc)
+            self._drop_disk(key)
+            return None
+        self._drop_disk(key)
+        self._disk_hits += 1
+        self._disk_hit_tokens += used
+        kv = dequantize_int8(q, scale, entry.dtype)
+        if self.max_tokens > 0:
+            self._store_hot(entry.tokens, kv, entry.epoch)
+        else:
+            self._store_cold_q(self._next_id, entry.tokens, q, scale, entry.dtype, entry.epoch)
+            self._next_id += 1
         return kv
 
     def record_hit(self, tokens: int) -> None:
@@ -252,27 +321,66 @@ class PrefixCache:
         return True
 
     def _store_cold(self, key: int, tokens: list[int], kv: torch.Tensor, epoch: int) -> None:
+        if len(tokens) <= self.int8_max_tokens:
+            q, scale = quantize_int8(kv)
+            self._store_cold_q(key, tokens, q, scale, kv.dtype, epoch)
+
+    def _store_cold_q(self, key: int, tokens: list[int], q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      epoch: int) -> None:
         n = len(tokens)
         if n > self.int8_max_tokens:
             return
         while self._cold and self._cold_tokens + n > self.int8_max_tokens:
-            self._drop_cold(next(iter(self._cold)))
-        q, scale = quantize_int8(kv)
-        self._cold[key] = _Int8Entry(tokens, q, scale, kv.dtype, epoch)
+            self._spill(next(iter(self._cold)))
+        self._cold[key] = _Int8Entry(tokens, q, scale, dtype, epoch)
         self._cold_tokens += n
 
     def _drop_cold(self, key: int) -> None:
         cold = self._cold.pop(key)
         self._cold_tokens -= len(cold.tokens)
 
+    def _spill(self, key: int) -> None:
+        """The int8 tier evicts an entry: onto disk when there is a disk tier (and the entry fits)."""
+        cold = self._cold[key]
+        self._drop_cold(key)
+        n = len(cold.tokens)
+        if self.disk_dir is None or n > self.disk_max_tokens or _held(self._disk, cold.tokens, cold.epoch, self._drop_disk):
+            return
+        while self._disk and self._disk_tokens + n > self.disk_max_tokens:
+            self._drop_disk(next(iter(self._disk)))
+        path = self.disk_dir / f"{key}.pt"
+        try:
+            torch.save({"q": cold.q, "scale": cold.scale}, path)
+        except OSError as exc:  # a full or failing disk: the entry is only lost, as without the tier
+            log.warning("prefix cache: could not write %s: %r", path, exc)
+            path.unlink(missing_ok=True)
+            return
+        self._disk[key] = _DiskEntry(cold.tokens, path, cold.dtype, cold.epoch, cold.nbytes)
+        self._disk_tokens += n
+        self._disk_bytes += cold.nbytes
+
+    def _drop_disk(self, key: int) -> None:
+        entry = self._disk.pop(key)
+        self._disk_tokens -= len(entry.tokens)
+        self._disk_bytes -= entry.nbytes
+        entry.path.unlink(missing_ok=True)
+
     def clear(self) -> int:
-        """Free every entry; returns how many tokens were held."""
-        held = self._tokens + self._cold_tokens
+        """Free every entry (deleting the disk tier's files); returns how many tokens were held."""
+        held = self._tokens + self._cold_tokens + self._disk_tokens
         self._entries.clear()
         self._cold.clear()
+        for key in list(self._disk):
+            self._drop_disk(key)
         self._tokens = self._cold_tokens = 0
         self._flushes += 1
         return held
+
+    def close(self) -> None:
+        """Free everything and remove the disk tier's directory (idempotent)."""
+        self.clear()
+        if self.disk_dir is not None:
+            shutil.rmtree(self.disk_dir, ignore_errors=True)
 
     def _drop(self, key: int) -> None:
         entry = self._entries.pop(key)
@@ -295,4 +403,10 @@ class PrefixCache:
             int8_max_tokens=self.int8_max_tokens,
             int8_hits=self._cold_hits,
             int8_hit_tokens=self._cold_hit_tokens,
+            disk_entries=len(self._disk),
+            disk_tokens=self._disk_tokens,
+            disk_bytes=self._disk_bytes,
+            disk_max_tokens=self.disk_max_tokens,
+            disk_hits=self._disk_hits,
+            disk_hit_tokens=self._disk_hit_tokens,
         )

@@ -69,6 +69,10 @@ class ServerConfig:
     """Paged store: tokens per block."""
     prefix_cache_int8_tokens: int = 0
     """Tokens of the prefix cache's int8 tier (entries evicted from the hot tier, quantised); 0: none."""
+    prefix_cache_disk_tokens: int = 0
+    """Tokens of the disk tier below the int8 tier (entries it evicts, a file each); 0: none."""
+    prefix_cache_disk_dir: str | None = None
+    """Where the disk tier makes its private directory (None: the system's temporary directory)."""
     attention_window: int | None = None
     """Sliding-window attention: each token attends to the last ``attention_window`` positions (and the
     sinks); None: full attention."""
@@ -512,6 +516,8 @@ async def _load_engine(state: ServerState) -> None:
         dtype=config.dtype,
         prefix_cache_tokens=config.prefix_cache_tokens,
         prefix_cache_int8_tokens=config.prefix_cache_int8_tokens,
+        prefix_cache_disk_tokens=config.prefix_cache_disk_tokens,
+        prefix_cache_disk_dir=config.prefix_cache_disk_dir,
         kv_cache=config.kv_cache,
         kv_cache_tokens=config.kv_cache_tokens,
         kv_block_size=config.kv_block_size,
