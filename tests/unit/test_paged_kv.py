@@ -220,3 +220,55 @@ def test_cascade_decode_over_a_shared_prefix_matches_the_full_forward(model, tok
         for s, got in zip(seqs, logits):
             want = model(input_ids=torch.tensor([s])).logits[0, -1]
             assert torch.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_a_cascade_group_beside_a_shorter_row(model, tok, window: int | None) -> None:  # type: ignore[no-untyped-def]
+    """Decode rows of a group sharing prompt blocks next to a shorter, ungrouped row (a lone sample left of
+    another group): the step runs (the short row's keys were gathered to its own width, not the batch's: an
+    IndexError failed the step) and the group's logits are the ones it gets without the short row; with a
+    sliding window the cascade (which reads shared keys unmasked) is not used, so the window holds."""
+    prompt = tok.encode("# a shared prompt, long enough for a few blocks: sum 1..9\n$ ")
+    out = []
+    for with_short in (True, False):
+        runner = PagedRunner(model, max_seqs=6, max_tokens=4 * 256, block_size=4, attention_window=window)
+        runner.CASCADE_MIN_TOKENS = 8
+        first = runner.acquire()
+        runner.prefill(first, 0, prompt[:-1])
+        rows = [first] + [runner.acquire() for _ in range(2)]
+        for r in rows[1:]:
+            runner.copy_prefix(r, first, len(prompt) - 1)
+        positions, toks = [len(prompt) - 1] * 3, [prompt[-1]] * 3
+        if with_short:
+            short = runner.acquire()
+            runner.prefill(short, 0, prompt[:3])
+            rows, positions, toks = rows + [short], positions + [3], toks + [prompt[3]]
+        out.append(runner.decode(rows, positions, toks)[:3])
+    assert torch.allclose(out[0], out[1], atol=1e-4)
+    if window is None:
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        assert all(torch.allclose(row, want, atol=1e-4) for row in out[0])
+
+
+@pytest.mark.anyio
+async def test_a_short_request_beside_a_long_group_in_the_engine(model, tok) -> None:  # type: ignore[no-untyped-def]
+    """A one-token request (as /health_generate sends) while a group decodes on a prompt long enough for the
+    cascade: every sequence finishes normally, the group's greedy outputs those it has alone."""
+    prompt = tok.encode("# a long shared task prompt: read the numbers in n.txt, sum them, print the total\n$ ")
+    assert len(prompt) > PagedRunner.CASCADE_MIN_TOKENS + 8
+    outputs = []
+    for short in (True, False):
+        engine = LocalEngine(model, tok, max_batch=8, chunk_size=512, kv_block_size=4)
+        await engine.start()
+        try:
+            group = [engine.submit(prompt, GREEDY) for _ in range(4)]
+            while not all(s.output_ids for s in group):  # the group decodes
+                await group[0].wait_changed()
+            extra = [engine.submit(tok.encode("$"), GREEDY)] if short else []
+            done = await asyncio.gather(*(_finish(s) for s in group + extra))
+        finally:
+            await engine.aclose()
+        assert all(s.finish_reason == {"type": "length", "length": 10} for s in done), [s.finish_reason for s in done]
+        outputs.append([s.output_ids for s in group])
+    assert outputs[0] == outputs[1]

@@ -622,7 +622,8 @@ class PagedRunner(_Runner):
             self.k[layer].index_copy_(0, widx, k)
             self.v[layer].index_copy_(0, widx, v)
 
-        full = len(ranges) == 1 and ranges[0][0] == 0
+        # the cascade reads a group's shared keys unmasked: only where every row sees all of them (no window)
+        full = len(ranges) == 1 and ranges[0][0] == 0 and not self._windowed(max(positions) + 1)
         groups = self._cascade_groups(tables) if full else []
         grouped = {i for rows, _ in groups for i in rows}
         rest = [i for i in range(len(seqs)) if i not in grouped]
@@ -649,9 +650,9 @@ class PagedRunner(_Runner):
 
     # -- decode attention: gathered rows, and the cascade over a group's shared prefix -----------------
     @staticmethod
-    def _padded(tables: list[list[int]]) -> torch.Tensor:
-        """Block tables as one ``(rows, longest)`` tensor; padding is block 0, behind every row's mask."""
-        padded = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
+    def _padded(tables: list[list[int]], width: int = 0) -> torch.Tensor:
+        """Block tables as one ``(rows, max(longest, width))`` tensor; padding is block 0, behind every row's mask."""
+        padded = torch.zeros(len(tables), max(width, *(len(t) for t in tables)), dtype=torch.long)
         for i, t in enumerate(tables):
             padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         return padded
@@ -659,7 +660,8 @@ class PagedRunner(_Runner):
     def _gather_rows(self, tables: list[list[int]], key_pos: torch.Tensor) -> Reader:
         """Every row's keys at ``key_pos``, gathered through its table (one ``index_select`` per layer)."""
         bs, batch = self.block_size, len(tables)
-        padded = self._padded(tables)
+        # the keys span the whole batch's longest row; these rows (a cascade group's left out) may all be shorter
+        padded = self._padded(tables, int(key_pos.max()) // bs + 1)
         ridx = (padded[:, key_pos // bs] * bs + key_pos % bs).view(-1)
         shape = (batch, key_pos.numel(), self.kv_heads, self.head_dim)
 
