@@ -24,6 +24,9 @@ Every ratio is measured against a baseline run in this same script, on the same 
    count of tokens is computed from those bytes, 16 GiB is not allocated). ``int8_tier``: the same
    prompts sent again are served from the int8 tier: hit tokens, and ``int8_output_agreement`` (greedy
    completions identical to the first, computed ones) with the largest logprob difference.
+   ``disk_ttft_speedup``: the first of those prompts pushed down hot -> int8 -> disk
+   (``--prefix-cache-disk-tokens``) by the others and sent again: time to first token restored from the
+   disk tier against computed by an engine that retains nothing.
 4. ``sparse_accuracy_delta``: held-out ``longdoc`` tasks (greedy, the chat template) with a sliding
    window + attention sinks minus with full attention, ``sparse_speed_ratio`` (seconds full over
    seconds windowed, the same tasks), ``sparse_output_agreement`` (the fraction of tasks whose greedy
@@ -284,6 +287,51 @@ async def measure_int8_tier(model: Any, tok: Any, dtype: str, prompts: list[list
     }
 
 
+async def measure_disk_tier(model: Any, tok: Any, dtype: str, prompts: list[list[int]], new_tokens: int = 8
+                            ) -> dict[str, Any]:
+    """The first prompt pushed down hot -> int8 -> disk by the others, then sent again: its time to first
+    token restored from disk against computing it (an engine that retains nothing), greedy agreement."""
+    from actors.inference.local.protocol import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    one = max(len(p) for p in prompts) + new_tokens + 1
+
+    async def run(engine: Any, prompt: list[int]) -> tuple[Any, float]:
+        t0, ttft = time.monotonic(), 0.0
+        seq = engine.submit(prompt, greedy)
+        while not seq.finished:
+            await seq.wait_changed()
+            if seq.output_ids and not ttft:
+                ttft = time.monotonic() - t0
+        return seq, ttft
+
+    with tempfile.TemporaryDirectory(prefix="kv-disk-") as disk:
+        engine = _engine(model, tok, dtype, prefix_cache_tokens=one, prefix_cache_int8_tokens=one,
+                         prefix_cache_disk_tokens=one * len(prompts), prefix_cache_disk_dir=disk)
+        await engine.start()
+        try:
+            first = [(await run(engine, p))[0] for p in prompts]
+            held = engine.statistics()
+            again, ttft_disk = await run(engine, prompts[0])
+            stats = engine.statistics()
+        finally:
+            await engine.aclose()
+    cold = _engine(model, tok, dtype, prefix_cache_tokens=0)
+    await cold.start()
+    try:
+        _, ttft_compute = await run(cold, prompts[0])
+    finally:
+        await cold.aclose()
+    return {
+        "prompts": len(prompts), "prompt_tokens": len(prompts[0]),
+        "disk_tokens_held": held.prefix_cache_disk_tokens, "disk_bytes_held": held.prefix_cache_disk_bytes,
+        "disk_hits": stats.prefix_cache_disk_hits, "disk_hit_tokens": stats.prefix_cache_disk_hit_tokens,
+        "ttft_s_disk": round(ttft_disk, 4), "ttft_s_compute": round(ttft_compute, 4),
+        "disk_ttft_speedup": ttft_compute / ttft_disk if ttft_disk else 0.0,
+        "disk_output_agreement": float(again.output_ids == first[0].output_ids),
+    }
+
+
 # ------------------------------------------------------------------------ 4. sparse attention accuracy
 
 
@@ -406,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         tier = asyncio.run(measure_int8_tier(model, tok, args.dtype, tier_prompts))
         print(f"int8 tier done ({time.monotonic() - t_start:.0f}s)", flush=True)
         budget["max_context_tokens_int8_tier_measured"] = int(BUDGET_BYTES // tier["int8_bytes_per_token_measured"])
+        disk = asyncio.run(measure_disk_tier(model, tok, args.dtype, tier_prompts))
+        print(f"disk tier done ({time.monotonic() - t_start:.0f}s)", flush=True)
         sparse = asyncio.run(measure_sparse(model, tok, args.dtype, sparse_n, sparse_tokens, window, sinks))
     result = {
         "model_kind": model_kind, "dtype": args.dtype, "quick": args.quick, "simulated": False,
@@ -419,11 +469,13 @@ def main(argv: list[str] | None = None) -> int:
                                       "note": "16 GiB over bytes/token; the int8 tier's bytes/token measured "
                                               "on the engine's prefix cache"},
         "int8_output_agreement": tier["int8_output_agreement"],
+        "disk_ttft_speedup": disk["disk_ttft_speedup"],
         "sparse_accuracy_delta": sparse["sparse_accuracy_delta"],
         "sparse_speed_ratio": sparse["sparse_speed_ratio"],
         "sparse_output_agreement": sparse["sparse_output_agreement"],
         "answer_logprob_delta": sparse["answer_logprob_delta"],
-        "details": {"group": group, "group_admission": admission, "decode": decode, "kv_budget": budget, "int8_tier": tier, "sparse": sparse},
+        "details": {"group": group, "group_admission": admission, "decode": decode, "kv_budget": budget, "int8_tier": tier,
+                    "disk_tier": disk, "sparse": sparse},
         "seconds": round(time.monotonic() - t_start, 1),
     }
     rows = [
@@ -453,6 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         ("int8_output_agreement", f"{tier['int8_output_agreement']:.3f}",
          f"{tier['prompts']} prompts of ~{tier['prompt_tokens_mean']} tokens served again from int8 "
          f"({tier['int8_hit_tokens']} hit tokens); max logprob diff {tier['int8_max_logprob_diff']}"),
+        ("disk_ttft_speedup", f"{disk['disk_ttft_speedup']:.2f}x",
+         f"a {disk['prompt_tokens']}-token prompt pushed down to the disk tier and sent again: first token in "
+         f"{disk['ttft_s_disk']}s from disk vs {disk['ttft_s_compute']}s computed; {disk['disk_hits']} disk hit(s), "
+         f"greedy agreement {disk['disk_output_agreement']:.0f}"),
         ("sparse_accuracy_delta", f"{sparse['sparse_accuracy_delta']:+.3f}",
          f"window {window}+{sinks} sinks {sparse['accuracy_window']:.3f} vs full {sparse['accuracy_full']:.3f}, "
          f"{sparse['tasks']} longdoc tasks of ~{sparse['prompt_tokens_mean']} tokens; strict format "

@@ -41,6 +41,10 @@ def test_quick_run_on_the_fixture_writes_every_figure(tmp_path: Path, capsys: py
     assert tier["int8_hits"] == tier["prompts"] and tier["int8_tokens_held"] > 0
     assert tier["int8_bytes_per_token_measured"] < tier["hot_bytes_per_token"]
     assert 0.0 <= result["int8_output_agreement"] <= 1.0
+    disk = result["details"]["disk_tier"]
+    # the first prompt went down to disk and its second sending was served from there
+    assert disk["disk_hits"] == 1 and disk["disk_hit_tokens"] == disk["prompt_tokens"] - 1
+    assert disk["disk_tokens_held"] > 0 and result["disk_ttft_speedup"] > 0
     assert -1.0 <= result["sparse_accuracy_delta"] <= 1.0 and 0.0 <= result["sparse_output_agreement"] <= 1.0
     sparse = result["details"]["sparse"]
     assert sparse["answer_logprob_full"] < 0 and sparse["answer_logprob_window"] < 0
