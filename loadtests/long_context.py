@@ -33,6 +33,8 @@ Every ratio is measured against a baseline run in this same script, on the same 
    completion the window leaves unchanged) and ``answer_logprob_delta`` (the mean log-probability per token
    of the right ``Answer: ...`` line, teacher-forced, windowed minus full): signals even where the model
    scores 0 either way. The full run uses documents of ~7,500 tokens (8k context with the chat template).
+   ``sparse_kv_ratio``: the most KV one sequence held, windowed over full attention (the paged store
+   releases the blocks no later query of a windowed sequence reads).
 
     python -m loadtests.long_context --quick --json runs/long_context.json
 
@@ -348,12 +350,13 @@ async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, 
     for name, kw in (("full", {}), ("window", {"attention_window": window, "attention_sinks": sinks})):
         engine = _engine(model, tok, dtype, prefix_cache_tokens=0, **kw)
         await engine.start()
-        right, texts = 0, []
+        right, texts, peak = 0, [], 0
         t0 = time.monotonic()
         try:
             for prompt, (_, answer) in zip(prompts, tasks):
                 seq = engine.submit(prompt, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0))
                 while not seq.finished:
+                    peak = max(peak, engine.statistics().kv_blocks_used)
                     await seq.wait_changed()
                 text = engine.output_text(seq)
                 texts.append(text)
@@ -361,6 +364,8 @@ async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, 
         finally:
             await engine.aclose()
         out[f"seconds_{name}"] = round(time.monotonic() - t0, 2)
+        stats = engine.statistics()
+        out[f"kv_bytes_peak_{name}"] = peak * stats.kv_block_size * stats.kv_bytes_per_token  # one sequence at a time
         out[f"accuracy_{name}"] = right / n
         out[f"example_{name}"] = texts[0]
         out[f"strict_format_{name}"] = sum(longdoc_format(t) for t in texts) / n
@@ -372,6 +377,8 @@ async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, 
     # a signal even where the model scores 0 either way: how often the window changes the greedy answer
     out["sparse_output_agreement"] = sum(a == b for a, b in zip(completions["full"], completions["window"])) / n
     out["sparse_speed_ratio"] = out["seconds_full"] / out["seconds_window"]
+    # the window releases the blocks no later query reads: KV held per sequence, windowed over full
+    out["sparse_kv_ratio"] = out["kv_bytes_peak_window"] / max(1, out["kv_bytes_peak_full"])
     return out
 
 
@@ -472,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         "disk_ttft_speedup": disk["disk_ttft_speedup"],
         "sparse_accuracy_delta": sparse["sparse_accuracy_delta"],
         "sparse_speed_ratio": sparse["sparse_speed_ratio"],
+        "sparse_kv_ratio": sparse["sparse_kv_ratio"],
         "sparse_output_agreement": sparse["sparse_output_agreement"],
         "answer_logprob_delta": sparse["answer_logprob_delta"],
         "details": {"group": group, "group_admission": admission, "decode": decode, "kv_budget": budget, "int8_tier": tier,
@@ -520,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
          f"full {sparse['answer_logprob_full']}"),
         ("sparse_speed_ratio", f"{sparse['sparse_speed_ratio']:.2f}x",
          f"{sparse['seconds_full']}s full / {sparse['seconds_window']}s windowed"),
+        ("sparse_kv_ratio", f"{sparse['sparse_kv_ratio']:.3f}",
+         f"peak KV of a sequence, windowed / full: {sparse['kv_bytes_peak_window'] / 2**20:.1f} / "
+         f"{sparse['kv_bytes_peak_full'] / 2**20:.1f} MiB (the window's older blocks are released as it moves)"),
     ]
     print(f"\nlong context, model {model_kind}, {args.dtype}, {result['seconds']}s")
     width = max(len(r[0]) for r in rows)

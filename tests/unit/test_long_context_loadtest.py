@@ -48,6 +48,7 @@ def test_quick_run_on_the_fixture_writes_every_figure(tmp_path: Path, capsys: py
     assert -1.0 <= result["sparse_accuracy_delta"] <= 1.0 and 0.0 <= result["sparse_output_agreement"] <= 1.0
     sparse = result["details"]["sparse"]
     assert sparse["answer_logprob_full"] < 0 and sparse["answer_logprob_window"] < 0
+    assert 0 < result["sparse_kv_ratio"] < 1  # the window's older blocks went back to the pool
     assert result["answer_logprob_delta"] == pytest.approx(sparse["answer_logprob_window"] - sparse["answer_logprob_full"], abs=1e-3)
     decode = result["details"]["decode"]
     # the group's prompt blocks are shared in the paged store, copied into every row of the slot store

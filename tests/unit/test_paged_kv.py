@@ -310,3 +310,35 @@ async def test_the_paged_and_slot_stores_agree_on_random_workloads(model, tok) -
         slot = await _serve_plan(model, tok, "slot", plan, **kw)
         assert paged == slot, (seed, kw)
         assert all(reason == "length" for _, reason in paged), seed
+
+
+@pytest.mark.anyio
+async def test_a_sliding_window_releases_the_blocks_no_query_reads(model, tok) -> None:  # type: ignore[no-untyped-def]
+    """With a window the paged store gives back a sequence's blocks older than every later query's window (the
+    sinks' kept): KV per sequence stays bounded by the window, a pool far smaller than the context serves it,
+    a group still shares the prompt, and the greedy outputs are the slot store's (which keeps everything)."""
+    prompt = tok.encode("# a long task: " + "read the numbers in n.txt and add them up; " * 3 + "\n$ ")
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    window = dict(attention_window=16, attention_sinks=4, chunk_size=8)
+    assert len(prompt) + 40 > 64 + 16 * 4  # the whole context would not fit the pool below
+    paged = LocalEngine(model, tok, max_batch=4, kv_block_size=4, kv_cache_tokens=64 + 16 * 4, **window)
+    slot = LocalEngine(model, tok, max_batch=4, kv_cache="slot", **window)
+    outputs = []
+    for engine in (paged, slot):
+        await engine.start()
+        try:
+            group = [engine.submit(prompt, params) for _ in range(3)]
+            peak = 0
+            while not all(s.finished for s in group):
+                peak = max(peak, engine.statistics().kv_blocks_used)
+                await next(s for s in group if not s.finished).wait_changed()
+            outputs.append([s.output_ids for s in group])
+            if engine is paged:
+                # 3 sequences x (sinks' block + window and chunk + margins), far below 3 x the context
+                bound = 1 + -(-(16 + 8) // 4) + 3
+                assert 0 < peak <= 3 * bound < 3 * (len(prompt) + 40) // 4
+                assert [s.cached_tokens > 0 for s in group].count(True) >= 2  # the others shared the prompt
+                assert engine.flush_cache() and engine.statistics().kv_blocks_used == 0  # nothing leaked
+        finally:
+            await engine.aclose()
+    assert outputs[0] == outputs[1]

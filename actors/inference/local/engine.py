@@ -360,7 +360,7 @@ class LocalEngine:
             )
         if isinstance(self.runner, PagedRunner):
             worst = self._worst_case_tokens(len(prompt_ids), params.max_new_tokens)
-            if self.runner.blocks_for(worst) > self.runner.max_blocks:
+            if self._worst_case_blocks(len(prompt_ids), params.max_new_tokens) > self.runner.max_blocks:
                 raise BadRequest(
                     f"The request can need {worst} tokens of KV cache (input {len(prompt_ids)} + max_new_tokens "
                     f"{params.max_new_tokens}), more than the server's KV pool holds "
@@ -515,17 +515,31 @@ class LocalEngine:
                 for seq, result in sampled.items():
                     self._append(seq, result, version)
                 self._apply_aborts()
+                if self.runner.window is not None and isinstance(self.runner, PagedRunner):
+                    for seq in self._running:  # a sliding window: blocks no later query reads go back
+                        if seq.slot is not None:
+                            self.runner.release_outside_window(seq.slot, seq.cached)
 
     # ---------------------------------------------------------------- paged KV admission
 
     def _worst_case_tokens(self, prompt: int, max_new_tokens: int) -> int:
         return min(prompt + max_new_tokens, self.context_length)
 
+    def _worst_case_blocks(self, prompt: int, max_new_tokens: int) -> int:
+        """The most blocks a sequence holds at once: its whole worst case, or with a sliding window (whose
+        older blocks are released after every step) the sinks' blocks, a window and a chunk, and margins."""
+        assert isinstance(self.runner, PagedRunner)
+        runner = self.runner
+        worst = runner.blocks_for(self._worst_case_tokens(prompt, max_new_tokens))
+        if runner.window is None:
+            return worst
+        return min(worst, runner.sink_blocks + runner.blocks_for(runner.window + self.chunk_size) + 3)
+
     def _future_blocks(self, seq: Sequence, credit: int = 0) -> int:
         """Blocks ``seq`` may still allocate: its worst case minus the blocks its table holds (or, not yet
         admitted, the ``credit`` of blocks it will share)."""
         assert isinstance(self.runner, PagedRunner)
-        worst = self.runner.blocks_for(self._worst_case_tokens(len(seq.prompt_ids), seq.params.max_new_tokens))
+        worst = self._worst_case_blocks(len(seq.prompt_ids), seq.params.max_new_tokens)
         held = self.runner.held_blocks(seq.slot) if seq.slot is not None else credit
         return max(0, worst - held)
 
@@ -536,11 +550,13 @@ class LocalEngine:
         if not (self.prefix_sharing and self.admission_credit):
             return 0
         assert isinstance(self.runner, PagedRunner)
-        limit, best = len(seq.prompt_ids) - 1, 0
+        limit, best, blocks = len(seq.prompt_ids) - 1, 0, 0
         for other in self._running:
             if other.slot is not None and other.kv_epoch == self._epoch and other.cached > best:
-                best = max(best, min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit))
-        return best // self.runner.block_size
+                n = min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
+                if n > best and self.runner.can_share(other.slot, n):
+                    best, blocks = n, self.runner.shared_blocks(other.slot, n)
+        return blocks
 
     def _admission(self, seq: Sequence) -> int | None:
         """Admission control of the paged store: admit ``seq`` only if every running sequence's worst case
@@ -609,7 +625,7 @@ class LocalEngine:
             if other is seq or other.cached <= best or other.slot is None or other.kv_epoch != self._epoch:
                 continue
             n = min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
-            if n > best:
+            if n > best and (not isinstance(self.runner, PagedRunner) or self.runner.can_share(other.slot, n)):
                 best, source = n, other
         if seq.slot is None:
             return
@@ -792,7 +808,10 @@ class LocalEngine:
             return  # a failed step: its slot may hold half-written positions
         if self.radix is not None:
             assert isinstance(self.runner, PagedRunner)
-            self.radix.insert(seq.tokens()[: seq.cached], self.runner.table(slot))
+            # with a window, what comes before the first released block (the sinks' blocks)
+            keep = min(seq.cached, self.runner.live_prefix(slot))
+            if keep >= 2:
+                self.radix.insert(seq.tokens()[:keep], self.runner.table(slot))
             return
         if not self.prefix_cache.enabled:
             return

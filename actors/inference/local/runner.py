@@ -62,6 +62,8 @@ __all__ = ["KV_CACHES", "OutOfBlocks", "PagedRunner", "SUPPORTED_MODEL_TYPES", "
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 KV_CACHES = ("paged", "slot")
+HOLE = -1
+"""A paged block-table entry whose block a sliding window released (no later query reads it)."""
 """The local engine's KV stores (``inference.kv_cache`` / ``--kv-cache``); paged is the default."""
 
 Ranges = list[tuple[int, int]]
@@ -452,8 +454,12 @@ class PagedRunner(_Runner):
         self._ref: list[int] = []
         self._free_blocks: list[int] = []  # a heap: the lowest free block first
         self._tables: dict[int, list[int]] = {}
+        self._holes: dict[int, int] = {}
+        """Per sequence: blocks released from its table (``HOLE``), ``table[sink_blocks : sink_blocks + holes]``."""
         self._free_ids = list(range(max_seqs))
         self._grow(max(1, min(self.max_blocks, self.blocks_for(initial_tokens))))
+        self.sink_blocks = self.blocks_for(self.sinks) if self.window is not None else 0
+        """With a window: the leading blocks that hold attention sinks, never released."""
 
     # -- blocks ----------------------------------------------------------------------------------
     def _grow(self, blocks: int) -> None:
@@ -506,12 +512,49 @@ class PagedRunner(_Runner):
         return -(-tokens // self.block_size)
 
     def table(self, seq: int) -> list[int]:
-        """The blocks holding ``seq``'s positions, in order (a copy)."""
+        """The blocks holding ``seq``'s positions, in order (a copy; ``HOLE`` where a window released one)."""
         return list(self._tables[seq])
 
     def held_blocks(self, seq: int) -> int:
         """How many blocks ``seq``'s table holds (no copy: admission asks this of every running sequence)."""
-        return len(self._tables[seq])
+        return len(self._tables[seq]) - self._holes.get(seq, 0)
+
+    # -- a sliding window's released blocks --------------------------------------------------------
+    def release_outside_window(self, seq: int, cached: int) -> int:
+        """With a window, release the blocks of ``seq`` (holding ``cached`` positions) that no later query
+        reads: past the sinks' blocks and wholly older than one block before the next position's window (the
+        margin lets a group's other samples still share a prompt its first sample has just computed). Their
+        table entries become ``HOLE``; returns how many were released."""
+        if self.window is None:
+            return 0
+        table = self._tables[seq]
+        start = self.sink_blocks + self._holes.get(seq, 0)
+        end = min(len(table), (cached - self.window + 1) // self.block_size - 1)
+        released = 0
+        for b in range(start, end):
+            if table[b] != HOLE:
+                self.decref(table[b])
+                table[b] = HOLE
+                released += 1
+        if end > start:
+            self._holes[seq] = end - self.sink_blocks
+        return released
+
+    def can_share(self, seq: int, n: int) -> bool:
+        """Whether another sequence may take the first ``n`` positions of ``seq`` and go on from there: its
+        next window (the keys position ``n`` reads) holds no released block."""
+        holes = self._holes.get(seq, 0)
+        return not holes or self.window is None or (self.sink_blocks + holes) * self.block_size <= n - self.window + 1
+
+    def shared_blocks(self, seq: int, n: int) -> int:
+        """Blocks another sequence holds by taking the first ``n`` positions of ``seq`` (see :meth:`can_share`):
+        the full ones, less the released ones among them."""
+        return n // self.block_size - self._holes.get(seq, 0)
+
+    def live_prefix(self, seq: int) -> int:
+        """Positions of ``seq`` before its first released block (what may be retained for reuse)."""
+        table = self._tables[seq]
+        return (self.sink_blocks if self._holes.get(seq, 0) else len(table)) * self.block_size
 
     def cache_bytes(self) -> int:
         """Bytes the pool has allocated (its bound: ``max_blocks x block_size x bytes_per_token``)."""
@@ -534,8 +577,10 @@ class PagedRunner(_Runner):
 
     def _drop_table(self, seq: int) -> None:
         for block in self._tables[seq]:
-            self.decref(block)
+            if block != HOLE:
+                self.decref(block)
         self._tables[seq] = []
+        self._holes.pop(seq, None)
 
     def _reserve(self, seq: int, end: int) -> None:
         table = self._tables[seq]
@@ -548,8 +593,11 @@ class PagedRunner(_Runner):
         of ``tail_block`` (copied into a block of its own: copy on write)."""
         self._drop_table(seq)
         for block in blocks:
-            self.incref(block)
+            if block != HOLE:
+                self.incref(block)
         self._tables[seq] = list(blocks)
+        if HOLE in blocks:  # a prefix of a sequence whose window released blocks (see can_share)
+            self._holes[seq] = blocks.count(HOLE)
         if tail:
             block = self._alloc()
             self._tables[seq].append(block)
@@ -566,7 +614,7 @@ class PagedRunner(_Runner):
 
     def _flat(self, table: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Pool rows of ``positions`` of a sequence whose blocks are ``table``."""
-        blocks = torch.tensor(table, dtype=torch.long)
+        blocks = torch.tensor(table, dtype=torch.long).clamp_min(0)  # a HOLE reads block 0: behind the mask
         return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def export_blocks(self, blocks: list[int], n: int) -> torch.Tensor:
@@ -654,7 +702,7 @@ class PagedRunner(_Runner):
         """Block tables as one ``(rows, max(longest, width))`` tensor; padding is block 0, behind every row's mask."""
         padded = torch.zeros(len(tables), max(width, *(len(t) for t in tables)), dtype=torch.long)
         for i, t in enumerate(tables):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long).clamp_min(0)  # HOLE: block 0, masked
         return padded
 
     def _gather_rows(self, tables: list[list[int]], key_pos: torch.Tensor) -> Reader:
