@@ -33,8 +33,9 @@ Every ratio is measured against a baseline run in this same script, on the same 
    completion the window leaves unchanged) and ``answer_logprob_delta`` (the mean log-probability per token
    of the right ``Answer: ...`` line, teacher-forced, windowed minus full): signals even where the model
    scores 0 either way. The full run uses documents of ~7,500 tokens (8k context with the chat template).
-   ``sparse_kv_ratio``: the most KV one sequence held, windowed over full attention (the paged store
-   releases the blocks no later query of a windowed sequence reads).
+   ``sparse_kv_ratio``: the most KV one sequence held between steps (a step adds at most one prefill
+   chunk), windowed over full attention (the paged store releases the blocks no later query of a
+   windowed sequence reads).
 
     python -m loadtests.long_context --quick --json runs/long_context.json
 
@@ -529,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         ("sparse_speed_ratio", f"{sparse['sparse_speed_ratio']:.2f}x",
          f"{sparse['seconds_full']}s full / {sparse['seconds_window']}s windowed"),
         ("sparse_kv_ratio", f"{sparse['sparse_kv_ratio']:.3f}",
-         f"peak KV of a sequence, windowed / full: {sparse['kv_bytes_peak_window'] / 2**20:.1f} / "
+         f"most KV a sequence held between steps, windowed / full: {sparse['kv_bytes_peak_window'] / 2**20:.1f} / "
          f"{sparse['kv_bytes_peak_full'] / 2**20:.1f} MiB (the window's older blocks are released as it moves)"),
     ]
     print(f"\nlong context, model {model_kind}, {args.dtype}, {result['seconds']}s")
