@@ -38,6 +38,7 @@ Every ratio is measured against a baseline run in this same script, on the same 
    windowed sequence reads).
 
     python -m loadtests.long_context --quick --json runs/long_context.json
+    python -m loadtests.long_context --parts sparse --sparse-tasks 2 --json runs/sparse-8k.json  # one part
 
 The model is SmolLM2-135M-Instruct from ~/.cache/rollout-engine/models (``--model-dir``); when it is
 absent the tiny char-model fixture stands in and the output says so (``model_kind``).
@@ -61,6 +62,7 @@ DEFAULT_MODEL = Path.home() / ".cache/rollout-engine/models/smollm2-135m-instruc
 GROUP = 8
 BUDGET_BYTES = 16 * 1024**3
 CHUNK = 512
+PARTS = ("group", "decode", "tiers", "sparse")
 
 
 def _load(model_dir: Path | None, tmp: str) -> tuple[Any, Any, str]:
@@ -421,10 +423,19 @@ def main(argv: list[str] | None = None) -> int:
     # one thread: on a shared, loaded machine OpenMP threads spin-waiting on each other made every pass
     # 10x slower (measured: 2.7 vs 45.6 decode tokens/s at load average 12 on 2 cores)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which parts to run, comma-separated, of {','.join(PARTS)} (default: all)")
+    parser.add_argument("--sparse-tasks", type=int, help="longdoc tasks of the sparse part (default: 3 quick, 8 full)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        parser.error(f"--parts: unknown {unknown}, choose from {','.join(PARTS)}" if unknown else "--parts: none given")
+    if args.sparse_tasks is not None and args.sparse_tasks < 1:
+        parser.error(f"--sparse-tasks must be at least 1, got {args.sparse_tasks}")
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
@@ -437,57 +448,84 @@ def main(argv: list[str] | None = None) -> int:
         group_tokens, decode_n, decode_ctx, decode_steps, sparse_n, sparse_tokens, window = 2000, 32, 4000, 16, 8, 7500, 1024
         tier_n, tier_tokens = 8, 2000
     sinks = 4
+    sparse_n = args.sparse_tasks or sparse_n
     admit_groups, admit_tokens = (2, 1000) if args.quick else (4, 2000)
     t_start = time.monotonic()
     from actors.domain_longdoc import make_longdoc_tokens
+
+    result: dict[str, Any] = {"model_kind": "", "dtype": args.dtype, "quick": args.quick, "simulated": False,
+                              "parts": parts}
+    details: dict[str, Any] = {}
+    rows: list[tuple[str, str, str]] = []
+
+    def done(part: str) -> None:
+        print(f"{part} done ({time.monotonic() - t_start:.0f}s)", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:
         model, tok, model_kind = _load(args.model_dir, tmp)
         from actors.inference.local.engine import SERVING_DTYPES
 
         model = model.to(SERVING_DTYPES[args.dtype])
-        print(f"model: {model_kind}; dtype {args.dtype}; {args.threads} threads; quick={args.quick}", flush=True)
-        group = asyncio.run(measure_group(model, tok, args.dtype, _group_prompt(tok, group_tokens)))
-        print(f"group done ({time.monotonic() - t_start:.0f}s)", flush=True)
-        rng = random.Random(13)
-        admission = asyncio.run(measure_group_admission(
-            model, tok, args.dtype, [_chat_ids(tok, make_longdoc_tokens(rng, admit_tokens).prompt)
-                                     for _ in range(admit_groups)]))
-        print(f"group admission done ({time.monotonic() - t_start:.0f}s)", flush=True)
-        decode = measure_decode(model, decode_n, decode_ctx, decode_steps)
-        print(f"decode done ({time.monotonic() - t_start:.0f}s)", flush=True)
-        budget = kv_budget(model)
-        rng = random.Random(11)
-        tier_prompts = [_chat_ids(tok, make_longdoc_tokens(rng, tier_tokens).prompt) for _ in range(tier_n)]
-        tier = asyncio.run(measure_int8_tier(model, tok, args.dtype, tier_prompts))
-        print(f"int8 tier done ({time.monotonic() - t_start:.0f}s)", flush=True)
-        budget["max_context_tokens_int8_tier_measured"] = int(BUDGET_BYTES // tier["int8_bytes_per_token_measured"])
-        disk = asyncio.run(measure_disk_tier(model, tok, args.dtype, tier_prompts))
-        print(f"disk tier done ({time.monotonic() - t_start:.0f}s)", flush=True)
-        sparse = asyncio.run(measure_sparse(model, tok, args.dtype, sparse_n, sparse_tokens, window, sinks))
-    result = {
-        "model_kind": model_kind, "dtype": args.dtype, "quick": args.quick, "simulated": False,
-        "group_prefill_ratio": group["group_prefill_ratio"],
-        "group_prefill_goal": 1.2 / GROUP,
-        "group_ttft_speedup": group["group_ttft_speedup"],
-        "group_admission_speedup": admission["group_admission_speedup"],
-        "paged_decode_speedup": decode["paged_decode_speedup"],
-        "max_context_tokens_tiered": {"without_tier": budget[f"max_context_tokens_{args.dtype}"],
-                                      "with_int8_tier": budget["max_context_tokens_int8_tier_measured"],
-                                      "note": "16 GiB over bytes/token; the int8 tier's bytes/token measured "
-                                              "on the engine's prefix cache"},
-        "int8_output_agreement": tier["int8_output_agreement"],
-        "disk_ttft_speedup": disk["disk_ttft_speedup"],
-        "sparse_accuracy_delta": sparse["sparse_accuracy_delta"],
-        "sparse_speed_ratio": sparse["sparse_speed_ratio"],
-        "sparse_kv_ratio": sparse["sparse_kv_ratio"],
-        "sparse_output_agreement": sparse["sparse_output_agreement"],
-        "answer_logprob_delta": sparse["answer_logprob_delta"],
-        "details": {"group": group, "group_admission": admission, "decode": decode, "kv_budget": budget, "int8_tier": tier,
-                    "disk_tier": disk, "sparse": sparse},
-        "seconds": round(time.monotonic() - t_start, 1),
-    }
-    rows = [
+        result["model_kind"] = model_kind
+        print(f"model: {model_kind}; dtype {args.dtype}; {args.threads} threads; quick={args.quick}; "
+              f"parts {','.join(parts)}", flush=True)
+        if "group" in parts:
+            group = asyncio.run(measure_group(model, tok, args.dtype, _group_prompt(tok, group_tokens)))
+            done("group")
+            rng = random.Random(13)
+            admission = asyncio.run(measure_group_admission(
+                model, tok, args.dtype, [_chat_ids(tok, make_longdoc_tokens(rng, admit_tokens).prompt)
+                                         for _ in range(admit_groups)]))
+            done("group admission")
+            result.update(group_prefill_ratio=group["group_prefill_ratio"], group_prefill_goal=1.2 / GROUP,
+                          group_ttft_speedup=group["group_ttft_speedup"],
+                          group_admission_speedup=admission["group_admission_speedup"])
+            details.update(group=group, group_admission=admission)
+            rows += _group_rows(group, admission)
+        if "decode" in parts:
+            decode = measure_decode(model, decode_n, decode_ctx, decode_steps)
+            done("decode")
+            result["paged_decode_speedup"] = decode["paged_decode_speedup"]
+            details["decode"] = decode
+            rows += _decode_rows(decode)
+        if "tiers" in parts:
+            budget = kv_budget(model)
+            rng = random.Random(11)
+            tier_prompts = [_chat_ids(tok, make_longdoc_tokens(rng, tier_tokens).prompt) for _ in range(tier_n)]
+            tier = asyncio.run(measure_int8_tier(model, tok, args.dtype, tier_prompts))
+            done("int8 tier")
+            budget["max_context_tokens_int8_tier_measured"] = int(BUDGET_BYTES // tier["int8_bytes_per_token_measured"])
+            disk = asyncio.run(measure_disk_tier(model, tok, args.dtype, tier_prompts))
+            done("disk tier")
+            result.update(
+                max_context_tokens_tiered={"without_tier": budget[f"max_context_tokens_{args.dtype}"],
+                                           "with_int8_tier": budget["max_context_tokens_int8_tier_measured"],
+                                           "note": "16 GiB over bytes/token; the int8 tier's bytes/token measured "
+                                                   "on the engine's prefix cache"},
+                int8_output_agreement=tier["int8_output_agreement"], disk_ttft_speedup=disk["disk_ttft_speedup"])
+            details.update(kv_budget=budget, int8_tier=tier, disk_tier=disk)
+            rows += _tier_rows(budget, tier, disk, args.dtype)
+        if "sparse" in parts:
+            sparse = asyncio.run(measure_sparse(model, tok, args.dtype, sparse_n, sparse_tokens, window, sinks))
+            done("sparse")
+            result.update({k: sparse[k] for k in ("sparse_accuracy_delta", "sparse_speed_ratio", "sparse_kv_ratio",
+                                                  "sparse_output_agreement", "answer_logprob_delta")})
+            details["sparse"] = sparse
+            rows += _sparse_rows(sparse)
+    result["details"] = details
+    result["seconds"] = round(time.monotonic() - t_start, 1)
+    print(f"\nlong context, model {result['model_kind']}, {args.dtype}, {result['seconds']}s")
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>10}  {note}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _group_rows(group: dict[str, Any], admission: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [
         ("group_prefill_ratio", f"{group['group_prefill_ratio']:.4f}",
          f"{group['prefill_tokens_shared']} / {group['prefill_tokens_unshared']} prefill tokens, "
          f"{GROUP} x {group['prompt_tokens']}-token prompt (goal <= {1.2 / GROUP:.3f})"),
@@ -500,14 +538,25 @@ def main(argv: list[str] | None = None) -> int:
          f"{admission['seconds_no_credit']}s / {admission['seconds_credit']}s, at most "
          f"{admission['max_running_no_credit']} / {admission['max_running_credit']} running "
          f"(each sample at its worst case / credited the blocks it shares)"),
+    ]
+
+
+def _decode_rows(decode: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [
         ("paged_decode_speedup", f"{decode['paged_decode_speedup']:.2f}x",
          f"{decode['engine_tokens_per_s']} vs {decode['hf_tokens_per_s']} tok/s, {decode['sequences']} seqs x "
          f"{decode['context']} ctx; {decode['paged_over_slot']:.2f}x the slot store ({decode['slot_tokens_per_s']} tok/s); "
          f"KV/seq {decode['kv_bytes_per_seq_engine'] / 2**20:.1f} MiB paged, "
          f"{decode['kv_bytes_per_seq_slot'] / 2**20:.0f} MiB slot, "
          f"{decode['kv_bytes_per_seq_hf'] / 2**20:.0f} MiB HF"),
-        ("max_context_tokens", f"{budget[f'max_context_tokens_{args.dtype}']:,}",
-         f"16 GiB / {budget['kv_bytes_per_token'][args.dtype]} B/token ({args.dtype}), no tier"),
+    ]
+
+
+def _tier_rows(budget: dict[str, Any], tier: dict[str, Any], disk: dict[str, Any], dtype: str
+               ) -> list[tuple[str, str, str]]:
+    return [
+        ("max_context_tokens", f"{budget[f'max_context_tokens_{dtype}']:,}",
+         f"16 GiB / {budget['kv_bytes_per_token'][dtype]} B/token ({dtype}), no tier"),
         ("  with the int8 tier", f"{budget['max_context_tokens_int8_tier_measured']:,}",
          f"16 GiB / {tier['int8_bytes_per_token_measured']} B/token measured in the int8 tier "
          f"({tier['int8_tokens_held']} tokens held)"),
@@ -518,10 +567,15 @@ def main(argv: list[str] | None = None) -> int:
          f"a {disk['prompt_tokens']}-token prompt pushed down to the disk tier and sent again: first token in "
          f"{disk['ttft_s_disk']}s from disk vs {disk['ttft_s_compute']}s computed; {disk['disk_hits']} disk hit(s), "
          f"greedy agreement {disk['disk_output_agreement']:.0f}"),
+    ]
+
+
+def _sparse_rows(sparse: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [
         ("sparse_accuracy_delta", f"{sparse['sparse_accuracy_delta']:+.3f}",
-         f"window {window}+{sinks} sinks {sparse['accuracy_window']:.3f} vs full {sparse['accuracy_full']:.3f}, "
-         f"{sparse['tasks']} longdoc tasks of ~{sparse['prompt_tokens_mean']} tokens; strict format "
-         f"{sparse['strict_format_window']:.2f} vs {sparse['strict_format_full']:.2f}"),
+         f"window {sparse['window']}+{sparse['sinks']} sinks {sparse['accuracy_window']:.3f} vs full "
+         f"{sparse['accuracy_full']:.3f}, {sparse['tasks']} longdoc tasks of ~{sparse['prompt_tokens_mean']} tokens; "
+         f"strict format {sparse['strict_format_window']:.2f} vs {sparse['strict_format_full']:.2f}"),
         ("sparse_output_agreement", f"{sparse['sparse_output_agreement']:.3f}",
          "fraction of tasks whose greedy completion is identical with the window and without"),
         ("answer_logprob_delta", f"{sparse['answer_logprob_delta']:+.3f}",
@@ -533,14 +587,6 @@ def main(argv: list[str] | None = None) -> int:
          f"most KV a sequence held between steps, windowed / full: {sparse['kv_bytes_peak_window'] / 2**20:.1f} / "
          f"{sparse['kv_bytes_peak_full'] / 2**20:.1f} MiB (the window's older blocks are released as it moves)"),
     ]
-    print(f"\nlong context, model {model_kind}, {args.dtype}, {result['seconds']}s")
-    width = max(len(r[0]) for r in rows)
-    for name, value, note in rows:
-        print(f"{name:<{width}}  {value:>10}  {note}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

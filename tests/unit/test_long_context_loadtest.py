@@ -55,3 +55,16 @@ def test_quick_run_on_the_fixture_writes_every_figure(tmp_path: Path, capsys: py
     assert decode["kv_bytes_per_seq_engine"] < decode["kv_bytes_per_seq_slot"]
     assert decode["kv_bytes_per_seq_engine"] < decode["kv_bytes_per_seq_hf"]
     assert result["simulated"] is False
+
+
+def test_parts_run_alone_and_bad_parts_are_refused(tmp_path: Path) -> None:
+    out = tmp_path / "sparse.json"
+    assert long_context.main(["--quick", "--model-dir", str(tmp_path / "absent"), "--parts", "sparse",
+                              "--sparse-tasks", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["parts"] == ["sparse"] and set(result["details"]) == {"sparse"}
+    assert result["details"]["sparse"]["tasks"] == 1 and "group_prefill_ratio" not in result
+    for bad in (["--parts", "decode,nonsense"], ["--sparse-tasks", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            long_context.main(bad)
+        assert exc.value.code == 2

@@ -38,6 +38,16 @@ async def _finish(seq: Sequence) -> Sequence:
     return seq
 
 
+async def _most(engine: LocalEngine, seqs: list[Sequence], statistic: str) -> int:
+    """Wait for ``seqs`` to finish; the highest value the engine's ``statistic`` took on the way."""
+    most = 0
+    async with asyncio.timeout(120):
+        while not all(s.finished for s in seqs):
+            most = max(most, getattr(engine.statistics(), statistic))
+            await next(s for s in seqs if not s.finished).wait_changed()  # the next token or finish
+    return most
+
+
 # ------------------------------------------------------------------------ the runner's blocks
 
 
@@ -114,12 +124,9 @@ async def test_requests_queue_for_blocks_and_produce_what_a_large_pool_produces(
     for pool in (4096, 64):  # 64 tokens: one request's worst case (about 30 tokens) at a time, then two
         engine = LocalEngine(model, tok, max_batch=6, chunk_size=8, kv_cache_tokens=pool, kv_block_size=4)
         await engine.start()
-        waited = 0
         try:
             seqs = [engine.submit(p, GREEDY) for p in prompts]
-            while not all(s.finished for s in seqs):
-                waited = max(waited, engine.statistics().kv_waiting_for_blocks)
-                await next(s for s in seqs if not s.finished).wait_changed()  # the next token or finish
+            waited = await _most(engine, seqs, "kv_waiting_for_blocks")
             outputs[pool] = [s.output_ids for s in seqs]
             assert all(s.finish_reason == {"type": "length", "length": 10} for s in seqs)
             stats = engine.statistics()
@@ -175,11 +182,7 @@ async def test_a_group_is_admitted_on_the_blocks_its_samples_share(model, tok) -
         await engine.start()
         try:
             group = [engine.submit(prompt, GREEDY) for _ in range(8)]
-            running = 0
-            while not all(s.finished for s in group):
-                running = max(running, engine.statistics().running)
-                await next(s for s in group if not s.finished).wait_changed()
-            assert running == 8
+            assert await _most(engine, group, "running") == 8
             assert engine.statistics().kv_blocks_used <= tokens // 4
             outputs[tokens] = [s.output_ids for s in group]
             assert engine.flush_cache() and engine.statistics().kv_blocks_used == 0  # every block came back
@@ -328,10 +331,7 @@ async def test_a_sliding_window_releases_the_blocks_no_query_reads(model, tok) -
         await engine.start()
         try:
             group = [engine.submit(prompt, params) for _ in range(3)]
-            peak = 0
-            while not all(s.finished for s in group):
-                peak = max(peak, engine.statistics().kv_blocks_used)
-                await next(s for s in group if not s.finished).wait_changed()
+            peak = await _most(engine, group, "kv_blocks_used")
             outputs.append([s.output_ids for s in group])
             if engine is paged:
                 # 3 sequences x (sinks' block + window and chunk + margins), far below 3 x the context
