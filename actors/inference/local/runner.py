@@ -62,9 +62,9 @@ __all__ = ["KV_CACHES", "OutOfBlocks", "PagedRunner", "SUPPORTED_MODEL_TYPES", "
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 KV_CACHES = ("paged", "slot")
+"""The local engine's KV stores (``inference.kv_cache`` / ``--kv-cache``); paged is the default."""
 HOLE = -1
 """A paged block-table entry whose block a sliding window released (no later query reads it)."""
-"""The local engine's KV stores (``inference.kv_cache`` / ``--kv-cache``); paged is the default."""
 
 Ranges = list[tuple[int, int]]
 Writer = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -700,7 +700,7 @@ class PagedRunner(_Runner):
     @staticmethod
     def _padded(tables: list[list[int]], width: int = 0) -> torch.Tensor:
         """Block tables as one ``(rows, max(longest, width))`` tensor; padding is block 0, behind every row's mask."""
-        padded = torch.zeros(len(tables), max(width, *(len(t) for t in tables)), dtype=torch.long)
+        padded = torch.zeros(len(tables), max([width, *map(len, tables)]), dtype=torch.long)
         for i, t in enumerate(tables):
             padded[i, : len(t)] = torch.tensor(t, dtype=torch.long).clamp_min(0)  # HOLE: block 0, masked
         return padded
