@@ -134,27 +134,34 @@ class _Host:
     def _prepare(self) -> None:
         if self.bwrap is None:
             raise SandboxError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
+        # Several processes of one host (two sandbox daemons, a test beside a daemon) prepare the same
+        # directory at once: every file is written under a name of this process's own and renamed into
+        # place (atomic), and the mount probe uses a directory of its own.
         self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.etc.mkdir(mode=0o755, exist_ok=True)
+        mine = f".{os.getpid()}.{time.monotonic_ns()}.tmp"
         for name, text in ETC_FILES.items():
             path = self.etc / name
             if not path.exists() or path.read_text() != text:
-                tmp = path.with_suffix(".tmp")
+                tmp = self.etc / (name + mine)
                 tmp.write_text(text)
                 tmp.chmod(0o644)
                 tmp.replace(path)
         if Path("/etc/ld.so.cache").exists() and not (self.etc / "ld.so.cache").exists():
-            shutil.copyfile("/etc/ld.so.cache", self.etc / "ld.so.cache")
+            tmp = self.etc / ("ld.so.cache" + mine)
+            shutil.copyfile("/etc/ld.so.cache", tmp)
+            tmp.replace(self.etc / "ld.so.cache")
         (self.etc / "alternatives").mkdir(exist_ok=True)
         if self.can_mount:
-            probe = self.root / "probe"
-            probe.mkdir(exist_ok=True)
+            probe = self.root / ("probe" + mine)
+            probe.mkdir()
             try:
                 _mount_tmpfs(probe, 1)
                 _umount(probe)
             except OSError:
                 self.can_mount = False
-            probe.rmdir()
+            finally:
+                probe.rmdir()
 
     def _static_args(self) -> list[str]:
         args = [self.bwrap or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]

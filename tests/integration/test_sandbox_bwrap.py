@@ -314,3 +314,23 @@ async def test_a_bwrap_start_past_its_timeout_is_a_sandbox_error(monkeypatch: py
     (sandbox,) = created
     assert not sandbox.dir.exists()  # closed: workspace, owner file and cgroups gone
     assert not (bwrap.SANDBOX_ROOT / f"{sandbox.id}.owner").exists()
+
+
+def test_processes_preparing_the_sandbox_root_at_once_all_succeed() -> None:
+    """Two sandbox daemons of one host start together: each prepares the shared root (its /etc files, the
+    mount probe) without tripping over the other (a shared probe directory removed by one made the other
+    crash with FileNotFoundError), and each still finds it can mount."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sandboxes.bwrap import _Host; h = _Host(); "
+            "print(h.can_mount == h.privileged, flush=True)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    results = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8, [err for _, err in results]
+    assert [out.strip() for out, _ in results] == ["True"] * 8
+    from sandboxes.bwrap import SANDBOX_ROOT
+
+    assert not [p.name for p in SANDBOX_ROOT.iterdir() if p.name.startswith("probe")]  # no probe left behind
+    assert not [p.name for p in (SANDBOX_ROOT / "etc").iterdir() if p.name.endswith(".tmp")]
