@@ -93,6 +93,17 @@ def _engine(model: Any, tok: Any, dtype: str, **kw: Any) -> Any:
 # ------------------------------------------------------------------------ 1. a group on one prompt
 
 
+async def _complete(engine: Any, prompt: list[int], params: Any) -> tuple[Any, float]:
+    """Run one request to its end: the sequence, and seconds until its first output token."""
+    t0, ttft = time.monotonic(), 0.0
+    seq = engine.submit(prompt, params)
+    while not seq.finished:
+        await seq.wait_changed()
+        if seq.output_ids and not ttft:
+            ttft = time.monotonic() - t0
+    return seq, ttft
+
+
 async def _group(engine: Any, prompt: list[int]) -> float:
     """Submit a group of 8 samples; seconds until every one has its first token (they then finish)."""
     from actors.inference.local.protocol import SamplingParams
@@ -267,16 +278,10 @@ async def measure_int8_tier(model: Any, tok: Any, dtype: str, prompts: list[list
     engine = _engine(model, tok, dtype, prefix_cache_tokens=hot, prefix_cache_int8_tokens=hot * len(prompts) * 2)
     await engine.start()
 
-    async def run(prompt: list[int]) -> Any:
-        seq = engine.submit(prompt, greedy)
-        while not seq.finished:
-            await seq.wait_changed()
-        return seq
-
     try:
-        first = [await run(p) for p in prompts]
+        first = [(await _complete(engine, p, greedy))[0] for p in prompts]
         held = engine.statistics()
-        again = [await run(p) for p in prompts]
+        again = [(await _complete(engine, p, greedy))[0] for p in prompts]
         stats = engine.statistics()
     finally:
         await engine.aclose()
@@ -301,30 +306,21 @@ async def measure_disk_tier(model: Any, tok: Any, dtype: str, prompts: list[list
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     one = max(len(p) for p in prompts) + new_tokens + 1
 
-    async def run(engine: Any, prompt: list[int]) -> tuple[Any, float]:
-        t0, ttft = time.monotonic(), 0.0
-        seq = engine.submit(prompt, greedy)
-        while not seq.finished:
-            await seq.wait_changed()
-            if seq.output_ids and not ttft:
-                ttft = time.monotonic() - t0
-        return seq, ttft
-
     with tempfile.TemporaryDirectory(prefix="kv-disk-") as disk:
         engine = _engine(model, tok, dtype, prefix_cache_tokens=one, prefix_cache_int8_tokens=one,
                          prefix_cache_disk_tokens=one * len(prompts), prefix_cache_disk_dir=disk)
         await engine.start()
         try:
-            first = [(await run(engine, p))[0] for p in prompts]
+            first = [(await _complete(engine, p, greedy))[0] for p in prompts]
             held = engine.statistics()
-            again, ttft_disk = await run(engine, prompts[0])
+            again, ttft_disk = await _complete(engine, prompts[0], greedy)
             stats = engine.statistics()
         finally:
             await engine.aclose()
     cold = _engine(model, tok, dtype, prefix_cache_tokens=0)
     await cold.start()
     try:
-        _, ttft_compute = await run(cold, prompts[0])
+        _, ttft_compute = await _complete(cold, prompts[0], greedy)
     finally:
         await cold.aclose()
     return {

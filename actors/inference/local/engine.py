@@ -550,13 +550,8 @@ class LocalEngine:
         if not (self.prefix_sharing and self.admission_credit):
             return 0
         assert isinstance(self.runner, PagedRunner)
-        limit, best, blocks = len(seq.prompt_ids) - 1, 0, 0
-        for other in self._running:
-            if other.slot is not None and other.kv_epoch == self._epoch and other.cached > best:
-                n = min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
-                if n > best and self.runner.can_share(other.slot, n):
-                    best, blocks = n, self.runner.shared_blocks(other.slot, n)
-        return blocks
+        n, source = self._running_source(seq, 0)
+        return self.runner.shared_blocks(source.slot, n) if source is not None and source.slot is not None else 0
 
     def _admission(self, seq: Sequence) -> int | None:
         """Admission control of the paged store: admit ``seq`` only if every running sequence's worst case
@@ -616,10 +611,11 @@ class LocalEngine:
                 prefill.append((seq, chunk))
         return prefill, decode
 
-    def _share_prefix(self, seq: Sequence, *, restore: bool = True) -> None:
-        """Copy the longest prefix of ``seq``'s prompt held by a running sequence or the prefix cache
-        (``restore=False``: not from the int8 tier, whose copy takes new blocks)."""
-        best, source = seq.cached, None
+    def _running_source(self, seq: Sequence, floor: int) -> tuple[int, Sequence | None]:
+        """The running sequence holding the longest computed prefix of ``seq``'s prompt (short of its last
+        token) beyond ``floor`` that it may share, and that prefix's length; ``(floor, None)`` if none.
+        Admission credits what this finds and :meth:`_share_prefix` takes it: the two must agree."""
+        best, source = floor, None
         limit = len(seq.prompt_ids) - 1
         for other in self._running:
             if other is seq or other.cached <= best or other.slot is None or other.kv_epoch != self._epoch:
@@ -627,6 +623,13 @@ class LocalEngine:
             n = min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
             if n > best and (not isinstance(self.runner, PagedRunner) or self.runner.can_share(other.slot, n)):
                 best, source = n, other
+        return best, source
+
+    def _share_prefix(self, seq: Sequence, *, restore: bool = True) -> None:
+        """Copy the longest prefix of ``seq``'s prompt held by a running sequence or the prefix cache
+        (``restore=False``: not from the int8 tier, whose copy takes new blocks)."""
+        best, source = self._running_source(seq, seq.cached)
+        limit = len(seq.prompt_ids) - 1
         if seq.slot is None:
             return
         if self.radix is not None:
