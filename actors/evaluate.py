@@ -23,7 +23,6 @@ from typing import Any
 
 import anyio
 
-from actors.domain_repo import episode_for
 from actors.domains import DOMAINS, score
 from actors.inference.actor import format_observation
 from actors.inference.sglang_client import SGLangClient
@@ -75,7 +74,7 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
     if turns <= 1:
         result = await generate(context)
         return result.text, await DOMAINS[domain].verify(result.text, spec, pool)
-    episode = episode_for(domain, spec, pool)
+    episode = DOMAINS[domain].new_episode(spec, pool)
     await episode.open()
     commands: list[str] = []
     try:

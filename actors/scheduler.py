@@ -34,7 +34,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -193,19 +193,25 @@ class Curriculum:
 def length_curriculum(cfg: SchedulerConfig) -> LengthCurriculum | None:
     """The context-length curriculum ``scheduler.length_curriculum`` asks for (None when unset).
 
-    Only domains that can turn a length into a difficulty can be steered; today that is ``longdoc``.
+    Only domains that can turn a length into a difficulty (``Domain.length_to_difficulty``) can be steered,
+    and one curriculum steers domains of one mapping.
     """
     lc = cfg.length_curriculum
     if lc is None:
         return None
-    from actors.domain_longdoc import difficulty_for_tokens
-    mappers = {"longdoc": difficulty_for_tokens}
-    unknown = sorted(set(lc.domains) - set(mappers))
-    if unknown:
-        raise ValueError(f"scheduler.length_curriculum.domains: {unknown} have no length mapping; "
-                         f"supported: {sorted(mappers)}")
+    mappers: dict[str, Callable[[int], float]] = {}
+    for name in lc.domains:
+        domain = DOMAINS.get(name)
+        if domain is None or domain.length_to_difficulty is None:
+            steerable = sorted(n for n in DOMAINS if DOMAINS[n].length_to_difficulty is not None)
+            raise ValueError(f"scheduler.length_curriculum.domains: {name!r} has no length mapping; "
+                             f"supported: {steerable}")
+        mappers[name] = domain.length_to_difficulty
+    if len(set(mappers.values())) > 1:
+        raise ValueError(f"scheduler.length_curriculum.domains: {sorted(mappers)} map lengths differently; "
+                         "one curriculum steers domains of one mapping")
     return LengthCurriculum(lc.domains, lc.lengths, threshold=lc.threshold, window=lc.window,
-                            to_difficulty=difficulty_for_tokens)
+                            to_difficulty=next(iter(mappers.values())))
 
 
 # -- task sources ----------------------------------------------------------------------------------

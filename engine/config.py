@@ -443,6 +443,25 @@ class EvalConfig(Section):
         return self
 
 
+class DomainsConfig(Section):
+    """Where domains come from besides the built-in ones and installed ``rollout_engine.domains`` entry points."""
+
+    plugins: list[str] = Field(default_factory=list)
+    """``package.module:attr`` names (a Domain, a list of them, a domain family, or a factory returning one)
+    or bare ``package.module`` names (modules that register domains when imported). Every role of the
+    deployment loads the same list before it starts, so all agree on the set of domains."""
+
+    @field_validator("plugins")
+    @classmethod
+    def _well_formed(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            module, sep, attr = spec.partition(":")
+            parts = module.split(".") + (attr.split(".") if sep else [])
+            if not all(p.isidentifier() for p in parts):
+                raise ValueError(f"{spec!r}: expected 'package.module:attribute' or 'package.module'")
+        return value
+
+
 class TelemetryConfig(Section):
     tracing: bool = False
     """Export OpenTelemetry traces (OTEL_* variables configure the exporter)."""
@@ -504,6 +523,7 @@ class EngineConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    domains: DomainsConfig = Field(default_factory=DomainsConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
 

@@ -338,7 +338,7 @@ async def measure_disk_tier(model: Any, tok: Any, dtype: str, prompts: list[list
 
 async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, window: int,
                          sinks: int) -> dict[str, Any]:
-    from actors.domain_longdoc import MAX_NEW_TOKENS, is_correct, longdoc_format, longdoc_tasks
+    from actors.domains.longdoc import MAX_NEW_TOKENS, is_correct, longdoc_format, longdoc_tasks
     from actors.inference.local.protocol import SamplingParams
 
     tasks = longdoc_tasks(n, tokens, seed=0)
@@ -406,7 +406,7 @@ def _answer_logprob(model: Any, prompts: list[list[int]], targets: list[str], to
 
 
 def _group_prompt(tok: Any, tokens: int) -> list[int]:
-    from actors.domain_longdoc import make_longdoc_tokens
+    from actors.domains.longdoc import make_longdoc_tokens
 
     return _chat_ids(tok, make_longdoc_tokens(random.Random(7), tokens).prompt)
 
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     sparse_n = args.sparse_tasks or sparse_n
     admit_groups, admit_tokens = (2, 1000) if args.quick else (4, 2000)
     t_start = time.monotonic()
-    from actors.domain_longdoc import make_longdoc_tokens
+    from actors.domains.longdoc import make_longdoc_tokens
 
     result: dict[str, Any] = {"model_kind": "", "dtype": args.dtype, "quick": args.quick, "simulated": False,
                               "parts": parts}

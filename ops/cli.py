@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("ops.cli_demo", "the main job: a short real RL run on the local stack"),
     "export": ("ops.cli_export", "export trajectories from the experience log to JSONL (filtered, resumable)"),
     "eval": ("ops.cli_eval", "evaluate a fixed policy on held-out tasks: completion rate, pass@k (table, JSON, Markdown)"),
+    "domains": ("ops.cli_domains", "list the task domains: built-in, plugins, reasoning-gym families, benchmarks"),
     "tasks": ("ops.cli_tasks", "validate and preview users' task files (JSONL, Parquet, HF datasets)"),
 }
 

@@ -165,7 +165,9 @@ def demonstrations(n: int, seed: int) -> list[tuple[str, str]]:
     """(prompt, completion) pairs from every domain, multi-turn ones in the inference actor's format."""
     rng = random.Random(f"sft:{seed}")
     out = []
-    names = sorted(name for name in DOMAINS if name != "longdoc")  # 1k-8k-token documents: past the char model's context
+    # generated, trainable domains; long documents (1k-8k tokens) are past the char model's context
+    names = sorted(name for name in DOMAINS
+                   if DOMAINS[name].trainable and "long-context" not in DOMAINS[name].tags)
     for i in range(n):
         domain = DOMAINS[names[i % len(names)]]
         prompt, ideal = domain.demonstrate(rng, rng.random() * 0.3)

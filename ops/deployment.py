@@ -44,6 +44,20 @@ def ensure_model_dir(cfg: EngineConfig, run_dir: Path) -> Path:
     return path
 
 
+def load_plugins(cfg: EngineConfig) -> None:
+    """Load the config's domain plugins (``[domains] plugins``) before any role looks a domain up.
+
+    Raises :class:`StartupError` naming the plugin that fails to load.
+    """
+    from actors.domains import load_domain_plugins
+    from engine.registry import PluginError
+
+    try:
+        load_domain_plugins(cfg.domains.plugins)
+    except PluginError as exc:
+        raise StartupError(f"domains.plugins: {exc}") from exc
+
+
 class Deployment:
     def __init__(self, cfg: EngineConfig, roles: list[str] | None = None, *, run_dir: str | Path | None = None,
                  instance: str | None = None, extra_actors: list[tuple[str, Callable[[], Actor]]] | None = None) -> None:
@@ -70,6 +84,7 @@ class Deployment:
 
     async def __aenter__(self) -> "Deployment":
         try:
+            load_plugins(self.cfg)
             await self._wire()
         except BaseException:
             await self._stack.aclose()

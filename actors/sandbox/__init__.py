@@ -1,9 +1,8 @@
 """The sandbox role: multi-turn episode steps and verification, two stream actors sharing one pool.
 
 - :class:`EpisodeActor` consumes ``rollout.sandbox.requests`` (key episode_id). ``open`` takes a
-  sandbox from the pool for the whole episode (a :class:`~sandboxes.verifiers.TerminalEpisode`,
-  ``setup_files`` written), ``step`` runs a command in the episode's shell session, ``close`` runs the
-  final-state checks and gives the sandbox back (the pool resets it to pristine). Every reply goes to
+  sandbox from the pool for the whole episode (the episode its domain builds, ``Domain.new_episode``: a
+  shell session, or a tool executor), ``step`` runs one model reply in it, ``close`` judges the final state and gives the sandbox back (the pool resets it to pristine). Every reply goes to
   ``rollout.sandbox.results`` at the request's ``reply_partition``, key episode_id.
 - :class:`VerifyActor` consumes ``rollout.completions`` (key task_id), runs the verifier of the
   completion's domain (``actors.domains.DOMAINS``; a built-in one named in ``spec["verifier"]``

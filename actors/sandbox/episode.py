@@ -13,13 +13,12 @@ from typing import Any, ClassVar
 
 from opentelemetry import trace
 
-from actors.domain_repo import episode_for
+from actors.domains import DOMAINS, Episode
 from actors.runtime import Runtime
 from actors.sandbox.resources import SandboxResources, _SandboxActorBase
 from actors.sandbox.settings import clamp_spec
 from engine.schemas import EPISODES_FULL, SandboxRequest, SandboxResult
 from sandboxes import SandboxError
-from sandboxes.verifiers import TerminalEpisode
 from streams.kafka import StreamError
 from streams.protocols import EventRecord
 
@@ -51,7 +50,7 @@ class _KeyedLocks:
 
 @dataclasses.dataclass(slots=True)
 class _Live:
-    episode: TerminalEpisode
+    episode: Episode
     last_used: float
 
 
@@ -126,7 +125,10 @@ class EpisodeActor(_SandboxActorBase):
         if len(self.episodes) >= self.resources.max_episodes:
             return dataclasses.replace(ok, error=EPISODES_FULL)
         spec, clamped = clamp_spec(req.spec, self.resources.cfg, self.settings)
-        episode = episode_for(req.domain, spec, self.resources.pool)
+        domain = DOMAINS.get(req.domain)
+        if domain is None or not domain.multi_turn:
+            return dataclasses.replace(ok, error=f"bad_spec: domain {req.domain!r} has no multi-turn episodes here")
+        episode = domain.new_episode(spec, self.resources.pool)
         try:
             await asyncio.wait_for(episode.open(), self.settings.open_timeout_s)
         except asyncio.TimeoutError:

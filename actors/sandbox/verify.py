@@ -86,16 +86,16 @@ class VerifyActor(_SandboxActorBase):
         except ValueError as exc:
             self.verifier_errors += 1
             return "none", {"error": str(exc)}, str(exc)
-        if kind == "terminal" and completion.finish_reason == SANDBOX_ERROR:
+        if completion.finish_reason == SANDBOX_ERROR:
             # The episode lost its sandbox (a host died, the episode idled out, no reply in time) or
             # could not get one: nothing the model did. An error, so the reward actor leaves the
             # sample out of its group's statistics and the learner never trains on it; scored zero, a
-            # lost sandbox would push the policy away from whatever the model was doing.
+            # lost sandbox would push the policy away from whatever the model was doing. Any domain.
             self.episodes_lost += 1
             why = str(completion.episode_facts.get("error", "")) or "no reason given"
             return kind, dict(completion.episode_facts), f"episode lost its sandbox: {why}"[:2000]
-        if kind == "terminal" and completion.episode_facts:
-            return kind, dict(completion.episode_facts), ""  # judged when the episode closed
+        if completion.episode_facts:  # a multi-turn episode (any domain): judged from its own final state
+            return kind, dict(completion.episode_facts), ""
         spec, clamped = clamp_spec(completion.spec, self.resources.cfg, self.resources.settings)
         try:
             facts = await verifier(completion.text, spec, self.resources.pool)

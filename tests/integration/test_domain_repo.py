@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.domain_repo import TEMPLATES, RepoEpisode, load_task_dir, render_task, repo_reward, verify_repo
+from actors.domains.repo import TEMPLATES, RepoEpisode, load_task_dir, render_task, repo_reward, verify_repo
 from actors.domains import DOMAINS
 from sandboxes import Limits, open_sandbox
 
@@ -152,16 +152,17 @@ def test_task_directory_errors_name_the_missing_part(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_episode_actor_runs_repo_episodes_through_episode_for() -> None:
-    """What EpisodeActor opens for the repo domain: a pooled sandbox, replies in, tool output out."""
-    from actors.domain_repo import RepoTerminalEpisode, episode_for
+async def test_episode_actor_runs_repo_episodes_through_the_domains_episode() -> None:
+    """What EpisodeActor opens for the repo domain (``Domain.new_episode``): a pooled sandbox, replies in,
+    tool output out; the shell domains get the terminal episode from the same interface."""
+    from actors.domains.repo import RepoTerminalEpisode
     from sandboxes import SandboxPool
     from sandboxes.verifiers import TerminalEpisode
 
     task = render_task(TEMPLATES[1], 3, random.Random(3))
     async with SandboxPool("bwrap", Limits(memory_mb=256, pids=64, timeout_s=20), size=1, max_size=1) as pool:
-        assert isinstance(episode_for("terminal", {"checks": []}, pool), TerminalEpisode)
-        episode = episode_for("repo", task.spec, pool)
+        assert isinstance(DOMAINS["terminal"].new_episode({"checks": []}, pool), TerminalEpisode)
+        episode = DOMAINS["repo"].new_episode(task.spec, pool)
         assert isinstance(episode, RepoTerminalEpisode)
         await episode.open()
         failing = await episode.step(_call("run_tests"))

@@ -9,7 +9,7 @@ import anyio
 import pytest
 from tokenizers import Tokenizer
 
-from actors.domain_longdoc import (LONGDOC, MAX_TOKENS, MIN_TOKENS, difficulty_for_tokens, longdoc_accuracy,
+from actors.domains.longdoc import (LONGDOC, MAX_TOKENS, MIN_TOKENS, difficulty_for_tokens, longdoc_accuracy,
                                    longdoc_format, longdoc_tasks, make_longdoc_tokens, tokens_for_difficulty)
 from actors.domains import DOMAINS, is_heldout, score
 from sandboxes.verifiers import verify_answer

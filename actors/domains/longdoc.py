@@ -29,7 +29,7 @@ import random
 import re
 from collections.abc import Callable
 
-from actors.domains import Domain, Facts, GeneratedTask, register_domain
+from actors.domains.base import Domain, Facts, GeneratedTask, register_domain
 from sandboxes.verifiers import answers_match, extract_answer
 
 MIN_TOKENS = 1000
@@ -210,7 +210,9 @@ def is_correct(completion: str, answer: str) -> bool:
 
 
 LONGDOC = register_domain(Domain("longdoc", "answer", make_longdoc, longdoc_reward, longdoc_format, stop=(),
-                                 max_new_tokens=MAX_NEW_TOKENS))
+                                 max_new_tokens=MAX_NEW_TOKENS, length_to_difficulty=difficulty_for_tokens,
+                                 tags=frozenset({"chat", "long-context"}),
+                                 description="questions about generated 1k-8k-token documents"))
 
 
 def longdoc_tasks(n: int, tokens: int, seed: int = 0) -> list[tuple[str, str]]:

@@ -1,150 +1,27 @@
-"""Built-in task domains: seeded generators, held-out splits, demonstrations and reward functions.
+"""The built-in generated domains: seeded templates for the character-level fixture and for instruct models.
 
-A :class:`Domain` bundles what the engine needs to know about one kind of task:
+Two sets, each a plain :class:`~actors.domains.base.Domain` registered with one call:
 
-- ``generate(rng, difficulty) -> (prompt, spec)``: a task, deterministic given the ``random.Random``
-  state; ``difficulty`` in [0, 1] makes it longer or harder (the scheduler's curriculum drives it).
-  ``spec`` is the input of the domain's verifier: a built-in one named by ``verifier`` (a key of
-  ``sandboxes.verifiers.VERIFIERS``) or the domain's own async function.
-- ``demonstrate(rng, difficulty) -> (prompt, completion)``: the same task with an ideal completion,
-  for a short supervised warm start.
-- ``reward(facts, text) -> float`` in [0, 1]: correctness from the verifier's facts;
-  ``format_score(text) -> float`` in [0, 1]: whether the completion has the expected shape.
-
-Everything is tiny and templated on purpose: the default policy is a character-level model trained on
-CPU in minutes. Every completion is one line per turn and ends with ``stop`` (a newline), so the
-inference server cuts generations there.
-
-Held-out split: a prompt belongs to the held-out split iff a stable hash of it falls in the held-out
-buckets (``HELDOUT_BUCKETS`` of ``HASH_BUCKETS``); training tasks are drawn by rejection from the other
-buckets. The two splits therefore never share a prompt, whatever the seeds. Held-out sets are drawn from
-seed streams disjoint from any training stream (see :func:`split_rng`).
-
-Rewards (:func:`reward_fn`): ``correctness + format_weight * format - length_penalty * generated_tokens``.
-
-Registry: :data:`DOMAINS`, filled by :func:`register_domain`, is the one table of domains. The scheduler
-(generators), the verify actor (verifier), the reward actor (reward and format functions) and the
-evaluation read a domain from it; a new domain is one ``register_domain(Domain(...))`` call.
+- ``arith``, ``code``, ``terminal`` (tag ``char``): tiny and templated on purpose, for the character-level
+  model trained on CPU in minutes. Every completion is one line per turn and ends with ``stop`` (a newline).
+- ``math``, ``python``, ``shell``, ``docqa`` (tag ``chat``): natural-language tasks for a pretrained chat
+  model (SmolLM2-135M-Instruct is the reference), rendered with its chat template; generation ends at the
+  model's end-of-turn token. Each verifier is strict about the answer format the prompt asks for.
 """
 
 from __future__ import annotations
 
 import ast
-import dataclasses
-import importlib
 import random
 import re
-import zlib
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import RewardConfig
-from engine.schemas import Completion
-from sandboxes.verifiers import VERIFIERS, Verifier
+from actors.domains.base import (STOP, Domain, GeneratedTask, answer_reward, code_reward, register_domain,
+                                 terminal_reward)
 
-Spec = dict[str, Any]
-Facts = dict[str, Any]
-TaskFn = Callable[[random.Random, float], "GeneratedTask"]
-RewardFn = Callable[[Facts, str], float]
-FormatFn = Callable[[str], float]
-
-HASH_BUCKETS = 10
-HELDOUT_BUCKETS = 3
-"""Held-out share of every domain's prompt space, in buckets of ``HASH_BUCKETS`` (30%): enough distinct
-held-out prompts at the easiest level (arith 34, code 26, terminal 51) for an accuracy to mean something."""
-HELDOUT_DRAWS_PER_TASK = 50
-MAX_REJECTIONS = 1000
-STOP = "\n"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GeneratedTask:
-    """One task with its ideal completion (what a demonstration shows)."""
-
-    prompt: str
-    spec: Spec
-    ideal: str
-
-
-def is_heldout(prompt: str) -> bool:
-    """Whether ``prompt`` belongs to the held-out split (stable across processes and Python versions)."""
-    return zlib.crc32(prompt.encode()) % HASH_BUCKETS < HELDOUT_BUCKETS
-
-
-def split_rng(seed: int, split: str) -> random.Random:
-    """The random stream of one split; ``train`` and ``heldout`` streams of any seeds never coincide."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    return random.Random(f"{split}:{seed}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Domain:
-    """A kind of task: generator, verifier, reward and format functions, turn budget."""
-
-    name: str
-    verifier: str | Verifier
-    """What judges this domain's completions: a key of ``sandboxes.verifiers.VERIFIERS`` (``answer``,
-    ``code``, ``terminal``) or the domain's own ``async verify(completion_text, spec, pool) -> facts``
-    (``pool`` is the sandbox role's ``SandboxPool``; facts are what its ``reward`` reads)."""
-    make: TaskFn
-    reward: RewardFn
-    format_score: FormatFn
-    max_turns: int = 1
-    stop: tuple[str, ...] = (STOP,)
-    max_new_tokens: int | None = None
-    """Generation budget of this domain's tasks (per turn); None: the deployment's ``inference.max_new_tokens``."""
-
-    def _draw(self, rng: random.Random, difficulty: float, split: str) -> GeneratedTask:
-        want_heldout = split == "heldout"
-        for _ in range(MAX_REJECTIONS):
-            task = self.make(rng, min(1.0, max(0.0, difficulty)))
-            if is_heldout(task.prompt) == want_heldout:
-                return task
-        raise RuntimeError(f"domain {self.name!r}: no {split} task after {MAX_REJECTIONS} draws "
-                           f"at difficulty {difficulty}")
-
-    def generate(self, rng: random.Random, difficulty: float = 0.0) -> tuple[str, Spec]:
-        """A training task ``(prompt, spec)``; never a held-out prompt."""
-        task = self._draw(rng, difficulty, "train")
-        return task.prompt, task.spec
-
-    def demonstrate(self, rng: random.Random, difficulty: float = 0.0) -> tuple[str, str]:
-        """A training prompt with its ideal completion, for supervised warm start."""
-        task = self._draw(rng, difficulty, "train")
-        return task.prompt, task.ideal
-
-    def heldout(self, n: int, *, seed: int = 0, difficulty: float = 0.0) -> list[tuple[str, Spec]]:
-        """Up to ``n`` held-out tasks with distinct prompts (deterministic for a seed).
-
-        Fewer when the domain's held-out space at this difficulty is smaller: drawing stops after
-        ``HELDOUT_DRAWS_PER_TASK * n`` draws. A repeated prompt would only weigh that prompt more, so an
-        accuracy over these is one over distinct tasks.
-        """
-        rng = split_rng(seed, "heldout")
-        out: dict[str, Spec] = {}
-        for _ in range(HELDOUT_DRAWS_PER_TASK * n):
-            if len(out) >= n:
-                break
-            task = self._draw(rng, difficulty, "heldout")
-            out.setdefault(task.prompt, task.spec)
-        return list(out.items())
-
-    def turns(self, spec: Spec) -> int:
-        """Turn budget of one task."""
-        return int(spec.get("max_turns", self.max_turns))
-
-    @property
-    def verifier_name(self) -> str:
-        """The verifier an outcome names: the built-in verifier's key, or the domain's name for its own."""
-        return self.verifier if isinstance(self.verifier, str) else self.name
-
-    @property
-    def verify(self) -> Verifier:
-        """The verifier function (raises ``KeyError`` for an unknown built-in name)."""
-        if isinstance(self.verifier, str):
-            return VERIFIERS[self.verifier]
-        return self.verifier
+CHAR = frozenset({"char"})
+CHAT = frozenset({"chat"})
 
 
 # -- arith -------------------------------------------------------------------------------------------
@@ -183,11 +60,6 @@ def _evaluate(terms: list[int], ops: list[str]) -> int:
 _INT = re.compile(r"-?\d+")
 
 
-def answer_reward(facts: Facts, text: str) -> float:
-    """1 when the verifier found the right answer."""
-    return 1.0 if facts.get("correct") else 0.0
-
-
 def answer_format(text: str) -> float:
     """1 when the completion is a bare integer (optionally newline-terminated)."""
     return 1.0 if _INT.fullmatch(text.strip()) else 0.0
@@ -219,12 +91,6 @@ def make_code(rng: random.Random, difficulty: float) -> GeneratedTask:
     return GeneratedTask(prompt=f"# write f: {describe.format(k=k)}\n",
                          spec={"tests": tests, "timeout_s": 5},
                          ideal=f"def f(x): return {body.format(k=k)}{STOP}")
-
-
-def code_reward(facts: Facts, text: str) -> float:
-    """Fraction of tests passed."""
-    total = int(facts.get("total", 0) or 0)
-    return float(facts.get("passed", 0)) / total if total > 0 else 0.0
 
 
 def code_format(text: str) -> float:
@@ -312,92 +178,12 @@ def make_terminal(rng: random.Random, difficulty: float) -> GeneratedTask:
                          ideal="".join(f"{c}{STOP}" for c in commands))
 
 
-def terminal_reward(facts: Facts, text: str) -> float:
-    """Fraction of final-state checks passed."""
-    total = int(facts.get("checks_total", 0) or 0)
-    return float(facts.get("checks_passed", 0)) / total if total > 0 else 0.0
-
-
 def terminal_format(text: str) -> float:
     """Fraction of non-empty lines that start with a known shell command."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         return 0.0
     return sum(ln.split()[0] in SHELL_COMMANDS for ln in lines) / len(lines)
-
-
-# -- registries --------------------------------------------------------------------------------------
-
-VERIFIER_REWARDS: dict[str, RewardFn] = {"answer": answer_reward, "code": code_reward, "terminal": terminal_reward}
-"""The reward of a task whose domain is not registered (a JSONL task, ``spec["verifier"]``), by verifier name."""
-
-DOMAINS: dict[str, Domain] = {}
-"""Every domain by name: what the scheduler, the verify and reward actors and the evaluation read."""
-
-
-def register_domain(domain: Domain, *, replace: bool = False) -> Domain:
-    """Add ``domain`` to ``DOMAINS``: from then on it is generated, verified, rewarded and evaluated."""
-    if domain.name in DOMAINS and not replace:
-        raise ValueError(f"domain {domain.name!r} is already registered (pass replace=True)")
-    if isinstance(domain.verifier, str) and domain.verifier not in VERIFIERS:
-        raise ValueError(f"domain {domain.name!r}: verifier {domain.verifier!r} is not one of {sorted(VERIFIERS)} "
-                         "(or pass the domain's own async verify function)")
-    if not isinstance(domain.verifier, str) and not callable(domain.verifier):
-        raise TypeError(f"domain {domain.name!r}: verifier must be a name or an async function, "
-                        f"got {type(domain.verifier).__name__}")
-    DOMAINS[domain.name] = domain
-    return domain
-
-
-def unregister_domain(name: str) -> Domain | None:
-    """Remove a domain (tests that register their own); returns it, or None when it was not registered."""
-    return DOMAINS.pop(name, None)
-
-
-register_domain(Domain("arith", "answer", make_arith, answer_reward, answer_format))
-register_domain(Domain("code", "code", make_code, code_reward, code_format))
-register_domain(Domain("terminal", "terminal", make_terminal, terminal_reward, terminal_format, max_turns=4))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RewardBreakdown:
-    """The terms of one sample's reward; ``total`` is what the advantage is computed from."""
-
-    correctness: float
-    format: float
-    tokens: int
-    total: float
-
-
-def score(domain: str, facts: Facts, completion: Completion | str, cfg: RewardConfig | None = None,
-          *, verifier: str | None = None) -> RewardBreakdown:
-    """Reward of one completion with its terms.
-
-    The correctness function is the registered domain's (or, for an unregistered domain, the ``verifier``'s).
-    ``generated_tokens`` counts model tokens (loss mask) of a Completion, or characters of a plain text
-    (the default tokenizer is character-level).
-    """
-    cfg = cfg or RewardConfig()
-    text = completion.text if isinstance(completion, Completion) else completion
-    registered = DOMAINS.get(domain)
-    fn = registered.reward if registered is not None else VERIFIER_REWARDS.get(verifier) if verifier else None
-    if fn is None:
-        raise KeyError(f"no reward function for domain {domain!r} (verifier {verifier!r}); "
-                       f"domains: {sorted(DOMAINS)}, verifiers: {sorted(VERIFIER_REWARDS)}")
-    correctness = fn(facts, text)
-    fmt = 0.0
-    if cfg.format_weight:
-        fmt_fn = registered.format_score if registered is not None else None
-        fmt = fmt_fn(text) if fmt_fn is not None else 0.0
-    tokens = int(completion.loss_mask.sum()) if isinstance(completion, Completion) else len(text)
-    total = correctness + cfg.format_weight * fmt - cfg.length_penalty * tokens
-    return RewardBreakdown(correctness=correctness, format=fmt, tokens=tokens, total=total)
-
-
-def reward_fn(domain: str, facts: Facts, completion: Completion | str, cfg: RewardConfig | None = None,
-              *, verifier: str | None = None) -> float:
-    """The scalar reward of one completion (see :func:`score` for the terms)."""
-    return score(domain, facts, completion, cfg, verifier=verifier).total
 
 
 # == domains for instruct models ======================================================================
@@ -505,12 +291,17 @@ def one_word_format(text: str) -> float:
     return 1.0 if re.fullmatch(r"[A-Za-z]+\.?", text.strip()) else 0.0
 
 
-register_domain(Domain("math", "answer", make_math, answer_reward, answer_format, stop=(), max_new_tokens=8))
-register_domain(Domain("python", "code", make_python, code_reward, fenced_code_format, stop=(), max_new_tokens=64))
-register_domain(Domain("shell", "terminal", make_shell, terminal_reward, shell_format, stop=(), max_new_tokens=24))
-register_domain(Domain("docqa", "answer", make_docqa, answer_reward, one_word_format, stop=(), max_new_tokens=8))
-
-# Domains in their own modules register themselves on import; importing them here keeps DOMAINS the one
-# complete table for every role (imported last: they import this module).
-importlib.import_module("actors.domain_longdoc")
-importlib.import_module("actors.domain_repo")
+register_domain(Domain("arith", "answer", make_arith, answer_reward, answer_format, tags=CHAR,
+                       description="one-line integer arithmetic ('12+7=')"))
+register_domain(Domain("code", "code", make_code, code_reward, code_format, tags=CHAR,
+                       description="one-line Python function f(x), tests in the sandbox"))
+register_domain(Domain("terminal", "terminal", make_terminal, terminal_reward, terminal_format, max_turns=4,
+                       tags=CHAR, description="shell goals, one command per turn, final state checked"))
+register_domain(Domain("math", "answer", make_math, answer_reward, answer_format, stop=(), max_new_tokens=8,
+                       tags=CHAT, description="one-digit + - * word problems, answer with just the number"))
+register_domain(Domain("python", "code", make_python, code_reward, fenced_code_format, stop=(), max_new_tokens=64,
+                       tags=CHAT, description="a Python function f(x) in a fenced block, tests in the sandbox"))
+register_domain(Domain("shell", "terminal", make_shell, terminal_reward, shell_format, stop=(), max_new_tokens=24, episode="shell",
+                       tags=CHAT, description="shell commands for file goals, final state checked in the sandbox"))
+register_domain(Domain("docqa", "answer", make_docqa, answer_reward, one_word_format, stop=(), max_new_tokens=8,
+                       tags=CHAT, description="a short passage and a one-word question about it"))

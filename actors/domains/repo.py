@@ -24,13 +24,13 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from actors.domains import Domain, Facts, GeneratedTask, register_domain
+from actors.domains.base import Domain, Facts, GeneratedTask, register_domain
 from actors.tool_exec import ToolExecutor
 from actors.tools import BUILTIN_TOOLS
 from sandboxes.base import ExecResult, Sandbox
-from sandboxes.verifiers import TerminalEpisode, _hold
+from sandboxes.verifiers import _hold
 
-__all__ = ["RUNNER", "RepoEpisode", "RepoTerminalEpisode", "episode_for", "expand_spec", "TEMPLATES", "Template", "load_task_dir", "make_repo", "render_task",
+__all__ = ["RUNNER", "RepoEpisode", "RepoTerminalEpisode", "expand_spec", "TEMPLATES", "Template", "load_task_dir", "make_repo", "render_task",
            "repo_format", "repo_reward", "verify_repo"]
 
 RUNNER = '''"""Runs every test_* function of the test_*.py files in a directory; prints a report and a summary."""
@@ -357,14 +357,6 @@ class RepoTerminalEpisode:
         await self._stack.aclose()
 
 
-def episode_for(domain: str, spec: dict[str, Any], pool_or_sandbox: Any) -> Any:
-    """The episode object the episode actor runs for ``domain``: a repository episode for ``repo``, else
-    the shell :class:`~sandboxes.verifiers.TerminalEpisode`."""
-    if domain == "repo" or "hidden_tests" in spec:
-        return RepoTerminalEpisode(spec, pool_or_sandbox)
-    return TerminalEpisode(spec, pool_or_sandbox)
-
-
 async def verify_repo(completion_text: str, spec: dict[str, Any], pool_or_sandbox: Any) -> Facts:
     """Single-text verification: every tool call in the completion runs in order, then the hidden tests."""
     async with _hold(pool_or_sandbox) as sandbox:
@@ -388,4 +380,6 @@ def repo_format(text: str) -> float:
 
 
 register_domain(Domain("repo", verify_repo, make_repo, repo_reward, repo_format, max_turns=6, stop=(),
-                       max_new_tokens=512))
+                       max_new_tokens=512, episode="tools", episode_factory=RepoTerminalEpisode,
+                       tools=tuple(BUILTIN_TOOLS), sandbox=True, tags=frozenset({"chat"}),
+                       description="fix a small Python repository with tools; held-out tests judge it"))
