@@ -107,6 +107,9 @@ class Registry(Mapping[str, T], Generic[T]):
         prefix = name.partition(":")[0] if ":" in name else None
         if prefix is not None and prefix in self._families:
             raise ValueError(f"{self.kind} {name!r}: the prefix {prefix!r} belongs to a family")
+        return self._store(name, item, replace=replace, origin=origin)
+
+    def _store(self, name: str, item: T, *, replace: bool, origin: str) -> T:
         if name in self._items and not replace:
             raise ValueError(f"{self.kind} {name!r} is already registered (from {self._origins.get(name) or 'code'}; "
                              "pass replace=True)")
@@ -192,7 +195,7 @@ class Registry(Mapping[str, T], Generic[T]):
         except (KeyError, ValueError) as exc:
             reason = exc.args[0] if exc.args else exc
             raise UnknownName(f"unknown {self.kind} {name!r}: {reason}") from None
-        return self.register(name, item, origin=self._family_origins.get(prefix, prefix))
+        return self._store(name, item, replace=False, origin=self._family_origins.get(prefix, prefix))
 
     def _unknown(self, name: str) -> str:
         why = self.unavailable.get(name)
