@@ -2,16 +2,19 @@
 
 A backend is a module that ends with ``register_sandbox_backend("NAME", create, reap=...)``. Everything
 that chooses a backend (the pool, ``sandbox.backend`` in the config, the CLI's ``--backend`` choices)
-looks the name up here, so adding a backend touches no other file. The built-in backends' modules are
-imported on the first lookup, so importing this module stays cheap. See docs/extending.md.
+looks the name up here, so adding a backend touches no other file. The registry is the engine's one
+mechanism (:class:`engine.registry.Registry`): the built-in backends' modules are imported on the first
+lookup (importing this module stays cheap), and installed packages add backends through the
+``rollout_engine.sandbox_backends`` entry-point group (a :class:`SandboxBackend`, or a module that
+registers on import). See docs/extending.md.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from engine.registry import Registry
 from sandboxes.base import Sandbox
 from sandboxes.limits import Limits
 
@@ -31,8 +34,14 @@ class SandboxBackend:
     description: str = ""
 
 
-_BACKENDS: dict[str, SandboxBackend] = {}
-_builtins_loaded = False
+def _adopt(registry: Registry[SandboxBackend], obj: object, origin: str) -> None:
+    if not isinstance(obj, SandboxBackend):
+        raise TypeError(f"expected a SandboxBackend (or a module that registers one), got {type(obj).__name__}")
+    registry.register(obj.name, obj, origin=origin, replace=registry.origin(obj.name) == origin)
+
+
+BACKENDS: Registry[SandboxBackend] = Registry("sandbox backend", entry_point_group="rollout_engine.sandbox_backends",
+                                              builtin_modules=BUILTIN_MODULES, adopt=_adopt)
 
 
 def register_sandbox_backend(name: str, create: Callable[[Limits], Awaitable[Sandbox]], *,
@@ -43,36 +52,23 @@ def register_sandbox_backend(name: str, create: Callable[[Limits], Awaitable[San
         raise ValueError(f"sandbox backend name {name!r}: use letters, digits, '-' and '_'")
     if not callable(create):
         raise TypeError(f"sandbox backend {name!r}: create must be callable, got {create!r}")
-    if name in _BACKENDS and not replace:
-        raise ValueError(f"sandbox backend {name!r} is already registered")
-    backend = SandboxBackend(name, create, reap, description)
-    _BACKENDS[name] = backend
-    return backend
+    return BACKENDS.register(name, SandboxBackend(name, create, reap, description), replace=replace,
+                             origin=getattr(create, "__module__", "") or "")
 
 
 def unregister_sandbox_backend(name: str) -> None:
     """Forget ``name`` (tests that registered a backend clean up with this)."""
-    _BACKENDS.pop(name, None)
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for module in BUILTIN_MODULES:
-            importlib.import_module(module)
+    BACKENDS.unregister(name)
 
 
 def sandbox_backend_names() -> tuple[str, ...]:
     """Every registered backend name, sorted (the CLI's ``--backend`` choices)."""
-    _load_builtins()
-    return tuple(sorted(_BACKENDS))
+    return tuple(BACKENDS.names())
 
 
 def sandbox_backend(name: str) -> SandboxBackend:
     """The backend registered as ``name``; ValueError naming the known ones otherwise."""
-    _load_builtins()
     try:
-        return _BACKENDS[name]
+        return BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown sandbox backend {name!r}; expected one of {sandbox_backend_names()}") from None

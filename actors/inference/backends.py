@@ -3,17 +3,21 @@
 A backend either starts an embedded server for a deployment that names no ``inference.urls`` (its
 ``launch``), or serves only through servers started elsewhere (``launch`` None: the config must name
 their URLs). ``inference.backend`` in the config and the deployment's inference role look the name up
-here, so a new backend (e.g. a simulated one) is one module with one registration call. The built-in
-backends' modules are imported on the first lookup, keeping this module cheap to import.
+here, so a new backend (e.g. a simulated one) is one module with one registration call. The registry is
+the engine's one mechanism (:class:`engine.registry.Registry`): the built-in backends' modules are imported
+on the first lookup, keeping this module cheap to import, and installed packages add backends through the
+``rollout_engine.inference_backends`` entry-point group (an :class:`InferenceBackend`, or a module that
+registers on import).
 """
 
 from __future__ import annotations
 
-import importlib
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from engine.registry import Registry
 
 if TYPE_CHECKING:
     from engine.config import InferenceConfig
@@ -37,8 +41,15 @@ class InferenceBackend:
     description: str = ""
 
 
-_BACKENDS: dict[str, InferenceBackend] = {}
-_builtins_loaded = False
+def _adopt(registry: Registry[InferenceBackend], obj: object, origin: str) -> None:
+    if not isinstance(obj, InferenceBackend):
+        raise TypeError(f"expected an InferenceBackend (or a module that registers one), got {type(obj).__name__}")
+    registry.register(obj.name, obj, origin=origin, replace=registry.origin(obj.name) == origin)
+
+
+BACKENDS: Registry[InferenceBackend] = Registry(
+    "inference backend", entry_point_group="rollout_engine.inference_backends", builtin_modules=BUILTIN_MODULES,
+    adopt=_adopt)
 
 
 def register_inference_backend(name: str, launch: Launch | None = None, *, needs_model_dir: bool = False,
@@ -48,36 +59,23 @@ def register_inference_backend(name: str, launch: Launch | None = None, *, needs
         raise ValueError(f"inference backend name {name!r}: use letters, digits, '-' and '_'")
     if launch is not None and not callable(launch):
         raise TypeError(f"inference backend {name!r}: launch must be callable or None, got {launch!r}")
-    if name in _BACKENDS and not replace:
-        raise ValueError(f"inference backend {name!r} is already registered")
-    backend = InferenceBackend(name, launch, needs_model_dir, description)
-    _BACKENDS[name] = backend
-    return backend
+    return BACKENDS.register(name, InferenceBackend(name, launch, needs_model_dir, description), replace=replace,
+                             origin=getattr(launch, "__module__", "") or "")
 
 
 def unregister_inference_backend(name: str) -> None:
     """Forget ``name`` (tests that registered a backend clean up with this)."""
-    _BACKENDS.pop(name, None)
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for module in BUILTIN_MODULES:
-            importlib.import_module(module)
+    BACKENDS.unregister(name)
 
 
 def inference_backend_names() -> tuple[str, ...]:
     """Every registered backend name, sorted."""
-    _load_builtins()
-    return tuple(sorted(_BACKENDS))
+    return tuple(BACKENDS.names())
 
 
 def inference_backend(name: str) -> InferenceBackend:
     """The backend registered as ``name``; ValueError naming the known ones otherwise."""
-    _load_builtins()
     try:
-        return _BACKENDS[name]
+        return BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown inference backend {name!r}; expected one of {inference_backend_names()}") from None
