@@ -4,17 +4,28 @@ Pure logic (no Kafka/NATS): the scheduler wraps a :class:`TaskFile` as a task so
 ``rollout tasks`` CLI validates and previews with it, so both read a file the same way and a bad row
 gets the same error (file, line, field) in both places.
 
-Formats: JSONL (``.jsonl``/``.json``), Parquet (``.parquet``) and a Hugging Face ``datasets``
-directory written by ``Dataset.save_to_disk`` (a directory). Rows are numbered from 1 in file order;
-for JSONL the row number is the line number.
+Formats: JSONL (``.jsonl``/``.json``, gzipped as ``.gz``), Parquet (``.parquet``) and a Hugging Face
+``datasets`` directory written by ``Dataset.save_to_disk`` (a directory). Rows are numbered from 1 in file
+order; for JSONL the row number is the line number.
+
+Layouts: a row is either canonical (:data:`TASK_FIELDS`) or in a registered :class:`Layout`, a benchmark's
+own fields (HumanEval's ``task_id, prompt, canonical_solution, test, entry_point``, ...), which its domain's
+module declares with :func:`register_layout` and which converts each row to canonical fields. The layout
+is recognised from the first row's fields (after the field mapping); every row must then fit it.
+
+Field mapping (``--map``, ``scheduler.task_fields``): canonical field -> a column (``prompt=question``), a
+constant (``domain=const:gsm8k`` or ``domain="gsm8k"``) or a template of columns
+(``prompt={question}\n\nHint: {hint}``); see :func:`parse_mapping`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import string
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +65,17 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
 
 
 def _read_jsonl(p: Path) -> Iterator[tuple[int, Any]]:
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskFileError(f"{p}:{lineno}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+    try:
+        with (gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else p.open(encoding="utf-8")) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TaskFileError(f"{p}:{lineno}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+    except (gzip.BadGzipFile, EOFError, UnicodeDecodeError) as exc:
+        raise TaskFileError(f"{p}: not readable as {'gzipped ' if p.suffix == '.gz' else ''}JSONL: {exc}") from None
 
 
 def _read_parquet(p: Path) -> Iterator[tuple[int, Any]]:
@@ -90,23 +104,196 @@ def _read_hf_dir(p: Path) -> Iterator[tuple[int, Any]]:
         yield i, row
 
 
+CONST_PREFIX = "const:"
+
+
+def _unescape(text: str) -> str:
+    """``\\n``, ``\\t`` and ``\\\\`` in a mapping's constant or template (a shell passes them literally)."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FieldSource:
+    """Where one canonical field comes from: a column, a constant, or a template over columns."""
+
+    kind: str
+    """``column``, ``const`` or ``template``."""
+    value: Any
+    """The column name, the constant, or the template's parts: ``(literal, column or None)`` pairs."""
+    text: str
+    """The mapping as written (``FIELD=...``), for error messages."""
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        if self.kind == "column":
+            return (self.value,)
+        if self.kind == "template":
+            return tuple(c for _, c in self.value if c is not None)
+        return ()
+
+    def build(self, row: Mapping[str, Any], where: str) -> Any:
+        """The field's value for ``row``; a template's missing column is a TaskFileError naming ``where``."""
+        if self.kind == "const":
+            return self.value
+        if self.kind == "column":
+            return row.get(self.value)
+        missing = [c for c in self.columns if row.get(c) is None]
+        if missing:
+            raise TaskFileError(f"{where}: --map {self.text}: column {missing[0]!r} is missing "
+                                f"(columns: {sorted(row)})")
+        return "".join(lit + ("" if col is None else str(row[col])) for lit, col in self.value)
+
+
+def field_source(field: str, spec: str) -> FieldSource:
+    """One mapping value -> a :class:`FieldSource`; ValueError naming the mapping when it is malformed.
+
+    ``const:VALUE`` is a constant (VALUE as JSON when it parses, e.g. ``const:3``, else the text); a JSON
+    string in double quotes (``"gsm8k"``) is a constant too; text with ``{COLUMN}`` placeholders is a
+    template (``{{``/``}}`` for literal braces, ``\\n`` for a newline); anything else is a column name.
+    """
+    text = f"{field}={spec}"
+    if spec.startswith(CONST_PREFIX):
+        raw = _unescape(spec[len(CONST_PREFIX):])
+        try:
+            return FieldSource("const", json.loads(raw), text)
+        except json.JSONDecodeError:
+            return FieldSource("const", raw, text)
+    if len(spec) >= 2 and spec[0] == spec[-1] == '"':
+        try:
+            value = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--map {text}: a quoted constant must be a JSON string ({exc.msg})") from None
+        return FieldSource("const", value, text)
+    if "{" in spec or "}" in spec:
+        try:
+            parsed = list(string.Formatter().parse(_unescape(spec)))
+        except ValueError as exc:
+            raise ValueError(f"--map {text}: malformed template ({exc}; write {{{{ and }}}} for literal braces)") from None
+        parts: list[tuple[str, str | None]] = []
+        for literal, column, fmt, conversion in parsed:
+            if column is not None and (not column.strip() or fmt or conversion):
+                raise ValueError(f"--map {text}: template placeholders are plain column names like {{question}}, "
+                                 f"got {{{column}{'!' + conversion if conversion else ''}{':' + fmt if fmt else ''}}}")
+            parts.append((literal, column))
+        if not any(c is not None for _, c in parts):
+            return FieldSource("const", "".join(lit for lit, _ in parts), text)
+        return FieldSource("template", tuple(parts), text)
+    return FieldSource("column", spec, text)
+
+
 def parse_mapping(pairs: Iterable[str]) -> dict[str, str]:
-    """``FIELD=COLUMN`` strings (the CLIs' ``--map``) -> a field mapping; ValueError naming a malformed one."""
+    """``FIELD=COLUMN``, ``FIELD=const:VALUE`` and ``FIELD=TEMPLATE`` strings (the CLIs' ``--map``) -> a field
+    mapping (field -> its spec, as :func:`apply_mapping` reads it); ValueError naming a malformed one."""
     out: dict[str, str] = {}
     for pair in pairs:
         field, sep, column = pair.partition("=")
         if not sep or not field or not column:
-            raise ValueError(f"--map wants FIELD=COLUMN, got {pair!r}")
+            raise ValueError(f"--map wants FIELD=COLUMN, FIELD=const:VALUE or FIELD=TEMPLATE, got {pair!r}")
+        if field in out:
+            raise ValueError(f"--map {pair}: field {field!r} is mapped twice")
+        field_source(field, column)
         out[field] = column
     return out
 
 
-def apply_mapping(row: Mapping[str, Any], mapping: Mapping[str, str]) -> dict[str, Any]:
-    """Rename ``row``'s columns: ``mapping`` is canonical field -> the file's column name."""
+def apply_mapping(row: Mapping[str, Any], mapping: Mapping[str, str], where: str = "") -> dict[str, Any]:
+    """``row`` with the mapped fields built (``mapping``: canonical field -> column, constant or template) and the
+    columns they read removed; unmapped columns keep their names. A column a rename names but the row lacks
+    leaves the field absent (a required field's own error names it); a template's missing column is an error."""
     if not mapping:
         return dict(row)
-    by_column = {column: field for field, column in mapping.items()}
-    return {by_column.get(k, k): v for k, v in row.items()}
+    sources = [field_source(field, spec) for field, spec in mapping.items()]
+    used = {c for src in sources for c in src.columns}
+    out = {k: v for k, v in row.items() if k not in used}
+    for field, src in zip(mapping, sources):
+        if src.kind == "column" and src.value not in row:
+            out.pop(field, None)
+            continue
+        out[field] = src.build(row, where or "row")
+    return out
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+LayoutConvert = Callable[[Mapping[str, Any], str], dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A benchmark's own row layout: its fields and how one row becomes canonical task fields.
+
+    A row fits when it has every ``required`` field and nothing outside ``required | optional``.
+    ``convert(row, where)`` returns canonical fields (:data:`TASK_FIELDS`), ``domain`` included, or raises
+    :class:`TaskFileError` naming ``where`` and the bad field.
+    """
+
+    name: str
+    required: frozenset[str]
+    convert: LayoutConvert
+    optional: frozenset[str] = frozenset()
+    description: str = ""
+
+    def fits(self, fields: Iterable[str]) -> bool:
+        keys = set(fields)
+        return self.required <= keys <= self.required | self.optional
+
+    def describe(self) -> str:
+        extra = f" (optional {', '.join(sorted(self.optional))})" if self.optional else ""
+        return f"{self.name} {{{', '.join(sorted(self.required))}}}{extra}"
+
+
+LAYOUTS: dict[str, Layout] = {}
+"""Registered layouts by name (a domain's module registers its benchmark's layout on import)."""
+
+
+def register_layout(layout: Layout, *, replace: bool = False) -> Layout:
+    """Make files in ``layout`` readable as task files."""
+    if layout.name in LAYOUTS and not replace:
+        raise ValueError(f"task file layout {layout.name!r} is already registered")
+    clash = [other.name for other in LAYOUTS.values() if other.name != layout.name and
+             (layout.fits(other.required) or other.fits(layout.required))]
+    if clash:
+        raise ValueError(f"task file layout {layout.name!r}: its fields fit layout {clash[0]!r} too")
+    LAYOUTS[layout.name] = layout
+    return layout
+
+
+def detect_layout(fields: Iterable[str], layouts: Iterable[Layout] | None = None) -> Layout | None:
+    """The layout whose fields ``fields`` fit, or None (canonical rows, or nothing known)."""
+    keys = set(fields)
+    if keys <= set(TASK_FIELDS):
+        return None
+    return next((lay for lay in (LAYOUTS.values() if layouts is None else layouts) if lay.fits(keys)), None)
+
+
+def _layout_row(raw: Any, where: str, layout: Layout) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise TaskFileError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    keys = {k for k, v in raw.items() if v is not None}
+    missing = sorted(layout.required - keys)
+    if missing:
+        raise TaskFileError(f"{where}: field {missing[0]!r} is missing (the file is in the {layout.describe()} "
+                            "layout, recognised from its first row)")
+    unknown = sorted(keys - layout.required - layout.optional)
+    if unknown:
+        raise TaskFileError(f"{where}: field {unknown[0]!r} is not in the {layout.describe()} layout "
+                            "(recognised from the file's first row)")
+    return layout.convert({k: v for k, v in raw.items() if v is not None}, where)
+
+
+def _no_layout(where: str, fields: Iterable[str], layouts: Iterable[Layout]) -> TaskFileError:
+    known = ["canonical {domain, prompt or messages, answer or tests or spec, id, ...}"]
+    known += [lay.describe() for lay in layouts]
+    return TaskFileError(f"{where}: fields {sorted(fields)} fit no known layout; known layouts: {'; '.join(known)} "
+                         "(or name the domain and map columns with --map FIELD=COLUMN)")
 
 
 def parse_row(raw: Any, where: str, *, known_domains: Iterable[str], default_domain: str | None = None,
@@ -114,7 +301,7 @@ def parse_row(raw: Any, where: str, *, known_domains: Iterable[str], default_dom
     """One raw row -> a :class:`UserTask`, or a :class:`TaskFileError` naming ``where`` and the field."""
     if not isinstance(raw, Mapping):
         raise TaskFileError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-    row = {k: v for k, v in apply_mapping(raw, mapping or {}).items() if v is not None}
+    row = {k: v for k, v in apply_mapping(raw, mapping or {}, where).items() if v is not None}
     unknown = sorted(set(row) - set(TASK_FIELDS))
     if unknown:
         raise TaskFileError(f"{where}: unknown field(s) {unknown}; known: {list(TASK_FIELDS)} "
@@ -161,14 +348,25 @@ class TaskFile:
     """A validated task file: rows in order, ids unique (a row without an id gets ``<file>:<row>``)."""
 
     def __init__(self, path: str | Path, *, known_domains: Iterable[str], default_domain: str | None = None,
-                 mapping: Mapping[str, str] | None = None) -> None:
+                 mapping: Mapping[str, str] | None = None, layouts: Iterable[Layout] | None = None) -> None:
         self.path = Path(path)
         self.tasks: list[UserTask] = []
+        self.layout: Layout | None = None
+        """The benchmark layout recognised from the first row (None: canonical rows)."""
         seen: dict[str, int] = {}
-        known = list(known_domains)
+        known = list(known_domains)  # first: looking the domains up registers their modules' layouts
+        candidates = list(LAYOUTS.values() if layouts is None else layouts)
+        first = True
         for n, raw in read_rows(self.path):
             where = f"{self.path}:{n}"
-            task = parse_row(raw, where, known_domains=known, default_domain=default_domain, mapping=mapping)
+            if first:
+                self.layout = self._recognise(raw, where, candidates, default_domain, mapping)
+                first = False
+            if self.layout is not None:
+                raw = _layout_row(apply_mapping(raw, mapping or {}, where), where, self.layout)
+                task = parse_row(raw, where, known_domains=known)
+            else:
+                task = parse_row(raw, where, known_domains=known, default_domain=default_domain, mapping=mapping)
             task_id = task.id or f"{self.path.name}:{n}"
             if task_id in seen:
                 raise TaskFileError(f"{where}: field 'id': duplicate id {task_id!r} (first on row {seen[task_id]})")
@@ -176,6 +374,18 @@ class TaskFile:
             self.tasks.append(dataclasses.replace(task, id=task_id, row=n))
         if not self.tasks:
             raise TaskFileError(f"{self.path}: no tasks")
+
+    @staticmethod
+    def _recognise(raw: Any, where: str, layouts: list[Layout], default_domain: str | None,
+                   mapping: Mapping[str, str] | None) -> Layout | None:
+        """The first row's layout; canonical (None) when it names a domain, has a default or a mapping."""
+        if not isinstance(raw, Mapping):
+            return None  # parse_row names the problem
+        fields = {k for k, v in apply_mapping(raw, mapping or {}, where).items() if v is not None}
+        layout = detect_layout(fields, layouts)
+        if layout is not None or fields <= set(TASK_FIELDS) or "domain" in fields or default_domain or mapping:
+            return layout
+        raise _no_layout(where, fields, layouts)
 
 
 def shard(tasks: Sequence[UserTask], replica: int, replicas: int) -> list[UserTask]:

@@ -17,7 +17,7 @@ A :class:`Domain` declares everything about a kind of task, and no engine code n
   executes model output in a sandbox (or only compares text in process);
 - **reward**: ``reward(facts, text)`` and ``format_score(text)`` in [0, 1];
 - **budget**: ``max_new_tokens`` per turn (a task's ``spec["max_new_tokens"]`` overrides it), ``max_turns``;
-- **held-out split**: ``is_heldout_prompt(prompt)``; by default a stable hash of the prompt (below);
+- **held-out split**: ``heldout_split(task)``; by default a stable hash of the prompt (below);
 - **listing**: ``source`` (where tasks come from), ``description``, ``trainable`` (False: an evaluation set,
   never trained on), ``tags``.
 
@@ -83,6 +83,11 @@ def is_heldout(prompt: str) -> bool:
     return zlib.crc32(prompt.encode()) % HASH_BUCKETS < HELDOUT_BUCKETS
 
 
+def heldout_by_prompt(task: GeneratedTask) -> bool:
+    """The default split: :func:`is_heldout` of the task's prompt."""
+    return is_heldout(task.prompt)
+
+
 def split_rng(seed: int, split: str) -> random.Random:
     """The random stream of one split; ``train`` and ``heldout`` streams of any seeds never coincide."""
     if split not in ("train", "heldout"):
@@ -100,8 +105,10 @@ class Episode(Protocol):
     @property
     def done(self) -> bool: ...
 
-    async def step(self, command: str) -> str:
-        """Run one model reply; the observation (shell output, or the tool results' text)."""
+    async def step(self, command: str) -> str | list[dict[str, Any]]:
+        """Run one model reply; the observation: a ``shell`` episode's output text, or a ``tools`` episode's
+        chat messages (``{"role": "tool", "name", "content"}`` per call, a ``user`` hint when there was none),
+        handed back to the model whole as the template's turns."""
         ...
 
     async def finish(self) -> Facts:
@@ -151,8 +158,9 @@ class Domain:
     description: str = ""
     trainable: bool = True
     """False: an evaluation set (a benchmark), never trained on; the scheduler refuses it."""
-    heldout_split: Callable[[str], bool] = is_heldout
-    """Whether a prompt is in the held-out split (default: the stable prompt hash)."""
+    heldout_split: Callable[[GeneratedTask], bool] = heldout_by_prompt
+    """Whether a task is in the held-out split (default: the stable hash of its prompt; a domain whose prompts
+    repeat splits by what differs, e.g. an environment's seed)."""
     length_to_difficulty: Callable[[int], float] | None = None
     """A prompt length in tokens -> the difficulty that makes prompts that long (the length curriculum)."""
     tags: frozenset[str] = frozenset()
@@ -197,7 +205,7 @@ class Domain:
         want_heldout = split == "heldout"
         for _ in range(MAX_REJECTIONS):
             task = self.make(rng, min(1.0, max(0.0, difficulty)))
-            if self.heldout_split(task.prompt) == want_heldout:
+            if self.heldout_split(task) == want_heldout:
                 return task
         raise RuntimeError(f"domain {self.name!r}: no {split} task after {MAX_REJECTIONS} draws "
                            f"at difficulty {difficulty}")
@@ -306,7 +314,8 @@ def _adopt(registry: Registry[Domain], obj: object, origin: str) -> None:
 
 DOMAINS: Registry[Domain] = Registry(
     "domain", entry_point_group=ENTRY_POINT_GROUP, adopt=_adopt, check=_check,
-    builtin_modules=("actors.domains.builtin", "actors.domains.repo", "actors.domains.longdoc"
+    builtin_modules=("actors.domains.builtin", "actors.domains.repo", "actors.domains.longdoc",
+                     "actors.domains.benchmarks"
 ))
 """Every domain by name: what the scheduler, the verify and reward actors and the evaluation read."""
 
