@@ -27,7 +27,7 @@ from actors.domains import DOMAINS, score
 from actors.inference.actor import format_observation
 from actors.inference.sglang_client import SGLangClient
 from actors.llm import has_chat_template, render_observation, render_prompt
-from engine.eval_stats import pass_at_k, wilson_interval
+from engine.eval_stats import mean_interval, pass_at_k, wilson_interval
 from sandboxes import SandboxPool
 
 
@@ -50,10 +50,10 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
     """One held-out episode. With a chat ``tokenizer`` the prompt is rendered with its chat template and turns
     end at the model's end-of-turn token, exactly as the inference actor plays them; else raw text, newline stops."""
     chat = tokenizer is not None and has_chat_template(tokenizer)
-    budget = DOMAINS[domain].max_new_tokens or max_new_tokens
+    budget = DOMAINS[domain].budget(spec, max_new_tokens)  # the task's own budget, else the domain's, else the default
     params: dict[str, Any] = {"max_new_tokens": budget, "temperature": temperature}
-    if not chat:
-        params["stop"] = ["\n"]
+    if not chat:  # raw text: the domain's stop strings (a newline for domains that declare none)
+        params["stop"] = list(DOMAINS[domain].stop or ("\n",))
     if temperature > 0 and sampling_seed is not None:
         params["sampling_seed"] = sampling_seed
     counts = usage if usage is not None else {}
@@ -145,6 +145,9 @@ class EvalReport:
     pass_at_1: float
     pass_at_k: float
     """Unbiased pass@k with k = ``samples``, averaged over tasks (= pass@1 when samples is 1)."""
+    pass_at_1_ci95: tuple[float, float]
+    pass_at_k_ci95: tuple[float, float]
+    """95% intervals of pass@1 and pass@k over the tasks (:func:`engine.eval_stats.mean_interval`)."""
     mean_turns: float
     mean_tokens: float
 
@@ -168,6 +171,7 @@ def summarise(records: list[EpisodeRecord], samples: int) -> dict[str, EvalRepor
             completion_rate=solved / n, completion_ci95=wilson_interval(solved, n),
             mean_correctness=sum(r.correctness for r in recs) / n,
             pass_at_1=sum(p1) / len(p1), pass_at_k=sum(pk) / len(pk),
+            pass_at_1_ci95=mean_interval(p1), pass_at_k_ci95=mean_interval(pk),
             mean_turns=sum(r.turns for r in recs) / n, mean_tokens=sum(r.tokens for r in recs) / n)
     return out
 
