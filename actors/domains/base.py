@@ -307,7 +307,7 @@ def _adopt(registry: Registry[Domain], obj: object, origin: str) -> None:
         if isinstance(item, Domain):
             registry.register(item.name, item, origin=origin, replace=registry.origin(item.name) == origin)
         elif hasattr(item, "resolve") and hasattr(item, "names") and isinstance(getattr(item, "prefix", None), str):
-            registry.add_family(item.prefix, item, origin=origin, replace=True)  # type: ignore[arg-type]
+            registry.add_family(str(getattr(item, "prefix")), item, origin=origin, replace=True)  # type: ignore[arg-type]
         else:
             raise TypeError(f"expected a Domain, a domain family or a list of them, got {type(item).__name__}")
 
@@ -315,7 +315,7 @@ def _adopt(registry: Registry[Domain], obj: object, origin: str) -> None:
 DOMAINS: Registry[Domain] = Registry(
     "domain", entry_point_group=ENTRY_POINT_GROUP, adopt=_adopt, check=_check,
     builtin_modules=("actors.domains.builtin", "actors.domains.repo", "actors.domains.longdoc",
-                     "actors.domains.benchmarks"
+                     "actors.domains.benchmarks", "actors.domains.reasoning_gym"
 ))
 """Every domain by name: what the scheduler, the verify and reward actors and the evaluation read."""
 
