@@ -4,8 +4,9 @@ The policy is a model directory (served here by the embedded `local` backend, as
 it) or any SGLang-protocol URL. The tasks are built-in domains' held-out tasks (``--domain math=64``)
 and/or a user's task file (``--tasks FILE``, read by :mod:`engine.tasks` like the scheduler reads it).
 Per domain it reports the task completion rate (fraction of episodes fully solved) with a 95% Wilson
-interval, mean correctness, pass@1 and pass@K (unbiased), mean turns and generated tokens: a table on
-stdout, ``--json F`` (with every episode) and ``--markdown F``.
+interval, mean correctness, pass@1 and pass@K (unbiased) each with a 95% interval over the tasks, mean
+turns and generated tokens: a table on stdout, ``--json F`` (with every episode) and ``--markdown F``.
+A benchmark file is read as its benchmark ships it (``--tasks HumanEval.jsonl.gz``; see docs/tasks.md).
 
 Exit codes: 0 done, 2 bad input (unknown domain, unreadable task file, bad option), 1 the policy could
 not be reached or served. Errors are one line on stderr.
@@ -47,8 +48,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="N held-out tasks of built-in domain NAME (repeatable), e.g. --domain math=64")
     parser.add_argument("--tasks", metavar="FILE", help="a user's task file (JSONL, Parquet or saved HF dataset dir)")
     parser.add_argument("--map", action="append", default=[], metavar="FIELD=COLUMN",
-                        help="with --tasks: read task FIELD from the file's COLUMN (repeatable)")
+                        help="with --tasks: read task FIELD from the file's COLUMN, a constant (FIELD=const:VALUE) "
+                             "or a template of columns (FIELD='{question}\\n{hint}') (repeatable)")
     parser.add_argument("--tasks-domain", help="with --tasks: the domain of rows that name none")
+    parser.add_argument("--limit", type=int, metavar="N", help="with --tasks: only the file's first N tasks")
     parser.add_argument("--samples", type=int, default=1, help="generations per task (K of pass@K; default 1)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature (default 0 = greedy for --samples 1, else 1.0)")
@@ -84,12 +87,16 @@ def load_tasks(args: argparse.Namespace) -> list[Any]:
 
     if not args.domain and not args.tasks:
         raise EvalInputError("nothing to evaluate: give --domain NAME=N and/or --tasks FILE")
-    tasks = heldout_tasks(_domain_counts(args.domain), seed=args.seed) if args.domain else []
+    try:
+        tasks = heldout_tasks(_domain_counts(args.domain), seed=args.seed) if args.domain else []
+    except ValueError as exc:  # a domain that cannot draw held-out tasks (a file-only one, a missing package)
+        raise EvalInputError(str(exc)) from None
     if args.tasks:
         try:
-            tasks += file_tasks(args.tasks, default_domain=args.tasks_domain, mapping=parse_mapping(args.map))
+            rows = file_tasks(args.tasks, default_domain=args.tasks_domain, mapping=parse_mapping(args.map))
         except (TaskFileError, ValueError) as exc:
             raise EvalInputError(str(exc)) from None
+        tasks += rows[:args.limit] if args.limit else rows
     if not tasks:
         raise EvalInputError("the task set is empty (the domains' held-out spaces gave no task)")
     return tasks
@@ -212,12 +219,17 @@ def _tokenizer(path: str) -> Any:
         raise EvalInputError(f"cannot load a tokenizer from {path}: {first}") from None
 
 
-COLUMNS = ("domain", "tasks", "samples", "completion", "95% CI", "correctness", "pass@1", "pass@K", "turns", "tokens")
+COLUMNS = ("domain", "tasks", "samples", "completion", "95% CI", "correctness", "pass@1 (95% CI)", "pass@K (95% CI)",
+           "turns", "tokens")
 
 
 def _columns(samples: int) -> list[str]:
     """The table's columns; pass@K only when K > 1 (with one sample it is pass@1)."""
-    return [c.replace("K", str(samples)) for c in COLUMNS if c != "pass@K" or samples > 1]
+    return [c.replace("K", str(samples)) for c in COLUMNS if not c.startswith("pass@K") or samples > 1]
+
+
+def _with_interval(value: float, interval: tuple[float, float]) -> str:
+    return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
 def table_rows(reports: dict[str, Any]) -> list[list[str]]:
@@ -225,8 +237,8 @@ def table_rows(reports: dict[str, Any]) -> list[list[str]]:
     for r in reports.values():
         lo, hi = r.completion_ci95
         row = [r.domain, str(r.tasks), str(r.samples), f"{r.completion_rate:.3f}", f"[{lo:.3f}, {hi:.3f}]",
-               f"{r.mean_correctness:.3f}", f"{r.pass_at_1:.3f}"]
-        row += [f"{r.pass_at_k:.3f}"] if r.samples > 1 else []
+               f"{r.mean_correctness:.3f}", _with_interval(r.pass_at_1, r.pass_at_1_ci95)]
+        row += [_with_interval(r.pass_at_k, r.pass_at_k_ci95)] if r.samples > 1 else []
         rows.append(row + [f"{r.mean_turns:.2f}", f"{r.mean_tokens:.1f}"])
     return rows
 
@@ -257,8 +269,10 @@ def _eval(args: argparse.Namespace) -> int:
             raise EvalInputError(f"--samples {args.samples} needs --temperature > 0")
         if args.tokenizer and not args.url:
             raise EvalInputError("--tokenizer goes with --url (a --model-dir brings its own)")
-        if (args.map or args.tasks_domain) and not args.tasks:
-            raise EvalInputError("--map and --tasks-domain go with --tasks FILE")
+        if (args.map or args.tasks_domain or args.limit is not None) and not args.tasks:
+            raise EvalInputError("--map, --tasks-domain and --limit go with --tasks FILE")
+        if args.limit is not None and args.limit < 1:
+            raise EvalInputError(f"--limit must be at least 1, got {args.limit}")
         if args.temperature is None:
             args.temperature = 1.0 if args.samples > 1 else 0.0
         tasks = load_tasks(args)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from actors.evaluate import EpisodeRecord, summarise
-from engine.eval_stats import pass_at_k, wilson_interval
+from engine.eval_stats import mean_interval, pass_at_k, wilson_interval
 from ops.cli import main
 from ops.cli_eval import format_markdown, format_table
 
@@ -34,6 +34,8 @@ def test_summarise_counts_solved_episodes_and_pass_at_k_per_task() -> None:
     assert math_.mean_correctness == pytest.approx(5.5 / 9)
     assert math_.pass_at_1 == pytest.approx((2 / 3 + 0 + 1) / 3)
     assert math_.pass_at_k == pytest.approx((pass_at_k(3, 2, 3) + 0.0 + 1.0) / 3) == pytest.approx(2 / 3)
+    assert math_.pass_at_1_ci95 == pytest.approx(mean_interval([2 / 3, 0.0, 1.0]))
+    assert math_.pass_at_k_ci95 == pytest.approx(mean_interval([1.0, 0.0, 1.0]))
     assert math_.mean_turns == pytest.approx((3 + 9 + 3) / 9)
     assert math_.mean_tokens == pytest.approx((30 + 120 + 30) / 9)
     term = reports["terminal"]
@@ -44,11 +46,15 @@ def test_report_formats_show_pass_at_k_only_for_several_samples() -> None:
     one = summarise([_rec("a", 0, 1.0), _rec("b", 0, 0.0)], samples=1)
     table = format_table(one)
     assert table.splitlines()[0].split() == ["domain", "tasks", "samples", "completion", "95%", "CI", "correctness",
-                                             "pass@1", "turns", "tokens"]
+                                             "pass@1", "(95%", "CI)", "turns", "tokens"]
     assert table.splitlines()[1].split()[:4] == ["math", "2", "1", "0.500"]
+    lo, hi = wilson_interval(1, 2)  # one sample per task: pass@1's interval is the tasks' Wilson interval
+    assert f"0.500 [{lo:.3f}, {hi:.3f}]" in table.splitlines()[1]
     several = summarise([_rec("a", j, float(j == 0)) for j in range(4)], samples=4)
     md = format_markdown(several, "policy-x")
-    assert "| pass@1 | pass@4 |" in md and "`policy-x`" in md
+    assert "| pass@1 (95% CI) | pass@4 (95% CI) |" in md and "`policy-x`" in md
+    (l1, h1), (l4, h4) = mean_interval([0.25]), mean_interval([1.0])  # one task: pass@1 0.25, pass@4 1
+    assert f"| 0.250 [{l1:.3f}, {h1:.3f}] | 1.000 [{l4:.3f}, {h4:.3f}] |" in md
     assert md.splitlines()[-1].startswith("| math | 1 | 4 | 0.250 |")
 
 
@@ -66,7 +72,9 @@ def _free_port() -> int:
     (["--tasks", "/no/such/tasks.jsonl"], 2, "/no/such/tasks.jsonl: no such file"),
     (["--domain", "math=1", "--samples", "0"], 2, "--samples must be at least 1"),
     (["--domain", "math=1", "--samples", "2", "--temperature", "0"], 2, "needs --temperature > 0"),
-    (["--domain", "math=1", "--map", "prompt=q"], 2, "--map and --tasks-domain go with --tasks"),
+    (["--domain", "math=1", "--map", "prompt=q"], 2, "--map, --tasks-domain and --limit go with --tasks"),
+    (["--domain", "mbpp=2"], 2, "domain 'mbpp' reads its tasks from a file"),
+    (["--tasks", "x.jsonl", "--limit", "0"], 2, "--limit must be at least 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], code: int, message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
