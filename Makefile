@@ -2,11 +2,15 @@
 PYTHON := .venv/bin/python
 ROLLOUT := .venv/bin/rollout
 
-.PHONY: setup demo test down status
+.PHONY: setup jaeger demo test down status
 
 # System packages (Java, Maven, bubblewrap, docker.io, iproute2), .venv, Kafka jars, SmolLM2-135M-Instruct.
 setup:
 	ops/bootstrap.sh
+
+# Jaeger v2, built once and cached, for the tracing tests only (make demo does not wait for it).
+jaeger: setup
+	ops/jaeger.sh
 
 # A short real RL run on the local stack (Kafka + NATS on the default ports, bubblewrap sandboxes).
 demo: setup
@@ -16,7 +20,7 @@ demo: setup
 # Static checks (pyflakes: unused and undefined names; mypy: types, paths and strictness from
 # pyproject.toml), then the suite; the integration fixtures start a
 # private broker, nats-server and Docker engine as needed.
-test: setup
+test: setup jaeger
 	$(PYTHON) -m pyflakes engine actors sandboxes streams ops tests loadtests
 	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest tests -q

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup of a Debian machine for development, tests and CI (run as root; no TTY needed):
 #   system packages (only those missing), .venv with the project installed editable, Kafka jars and the
-#   real model (SmolLM2-135M-Instruct) cached.
+#   real model (SmolLM2-135M-Instruct) cached. Jaeger (for the tracing tests only) is ops/jaeger.sh's job.
 # Every step says what it does; a step with nothing to do says so.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -53,8 +53,8 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 stamp=.venv/.rollout-bootstrap
 if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! .venv/bin/python -c 'import ops.cli, pytest' >/dev/null 2>&1; then
-  log "pip install -e '.[dev]'"
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  log "pip install -e '.[dev,domains]'"
+  .venv/bin/python -m pip install -q -e '.[dev,domains]'
   touch "$stamp"
 else
   log ".venv up to date with pyproject.toml"
@@ -80,22 +80,4 @@ if ! model_dir=$(.venv/bin/python -m ops.cli model prepare smollm2-135m | tail -
 fi
 log "model smollm2-135m in $model_dir"
 
-# --- Jaeger v2 (Go module proxy -> go build -> ~/.cache/rollout-engine/jaeger-<version>/jaeger) -------
-# The tracing integration test exports to it. The first build takes minutes (~7 on 2 cores).
-if command -v go >/dev/null 2>&1 || [[ -x /usr/local/go/bin/go ]]; then
-  .venv/bin/python - <<'PY'
-from ops.infra import InfraConfig, InfraError
-from ops.infra.jaeger import JAEGER_RELEASE, ensure_jaeger, jaeger_binary
-
-cfg = InfraConfig.from_env()
-if not jaeger_binary(cfg).is_file():
-    print(f"bootstrap: building Jaeger {JAEGER_RELEASE} with go (minutes)", flush=True)
-try:
-    print(f"bootstrap: Jaeger {JAEGER_RELEASE} at {ensure_jaeger(cfg)}")
-except InfraError as exc:
-    raise SystemExit(f"bootstrap: {exc}\n{exc.log_tail}")
-PY
-else
-  log "go not found: skipping the Jaeger build (tests/integration/test_tracing.py needs it; install Go >= 1.24)"
-fi
 log "done"

@@ -1,7 +1,7 @@
 """One rollout is one trace: a short pipeline of every role exports to a real Jaeger v2, and one
 rollout's trace holds correctly parented spans of the scheduler, inference, sandbox, reward and learner.
 
-Jaeger is built from source on first use (``ops/infra/jaeger.py``; ``ops/bootstrap.sh`` builds it
+Jaeger is built from source on first use (``ops/infra/jaeger.py``; ``make test`` runs ``ops/jaeger.sh`` to build it
 ahead of time) and runs on free loopback ports for this module, stopped by pid at the end.
 """
 
