@@ -7,7 +7,8 @@ optimises, measured on prompts it never trained on.
 
 Runs against any SGLang-protocol server (the local backend in the demo) and real sandboxes; it does
 not go through Kafka, so it measures the policy, not the pipeline. Multi-turn domains are played
-exactly as the inference actor plays them (same stop, same observation format).
+exactly as the inference actor plays them (same stop, the domain's tools declared in the prompt, the same
+observation rendering: :func:`actors.inference.actor.observation_ids`, tool results in the ``tool`` role).
 
 Two layers: :func:`run_episodes` plays any list of :class:`EvalTask` (a domain's held-out tasks or the
 rows of a user's task file) and returns one :class:`EpisodeRecord` per generation (correctness, turns,
@@ -24,9 +25,9 @@ from typing import Any
 import anyio
 
 from actors.domains import DOMAINS, score
-from actors.inference.actor import format_observation
+from actors.inference.actor import format_observation, observation_ids, observation_text
 from actors.inference.sglang_client import SGLangClient
-from actors.llm import has_chat_template, render_observation, render_prompt
+from actors.llm import has_chat_template, render_prompt
 from engine.eval_stats import mean_interval, pass_at_k, wilson_interval
 from sandboxes import SandboxPool
 
@@ -69,7 +70,8 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
         counts["tokens"] += result.completion_tokens or len(result.output_ids)
         return result
 
-    context: Any = render_prompt(tokenizer, prompt) if chat else prompt
+    tools = list(DOMAINS[domain].tools)
+    context: Any = render_prompt(tokenizer, prompt, tools=tools or None) if chat else prompt
     turns = max_turns or DOMAINS[domain].turns(spec)
     if turns <= 1:
         result = await generate(context)
@@ -87,12 +89,11 @@ async def _play(client: SGLangClient, prompt: str, spec: dict[str, Any], domain:
             if not command or command in ("exit", "done"):
                 break
             observation = await episode.step(command)
-            if chat:
-                ended = bool(result.output_ids) and result.output_ids[-1] == tokenizer.eos_token_id
-                context = list(context) + list(result.output_ids) + render_observation(
-                    tokenizer, format_observation(observation), ended_turn=ended)
+            if chat:  # token in, token out: the context grows by the sampled ids and the observation's ids
+                last = result.output_ids[-1] if result.output_ids else None
+                context = list(context) + list(result.output_ids) + observation_ids(tokenizer, observation, last)
             else:
-                context += result.text + "\n" + format_observation(observation)
+                context += result.text + "\n" + format_observation(observation_text(observation))
     finally:
         facts = await episode.finish()
     return "\n".join(commands), facts

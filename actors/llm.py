@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import cast
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models
@@ -177,25 +177,29 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, system: st
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def render_observation(tokenizer: PreTrainedTokenizerBase, observation: str, *, ended_turn: bool,
-                       role: str = "user") -> list[int]:
-    """Token ids that close the model's turn and hand it ``observation`` as the next user turn, ending at the
-    assistant header (multi-turn episodes of a chat model); for a model without a chat template, ``None``.
+def render_observation(tokenizer: PreTrainedTokenizerBase, observation: str | list[dict[str, Any]], *,
+                       ended_turn: bool, role: str = "user") -> list[int]:
+    """Token ids that close the model's turn and hand it ``observation`` as the next turn(s), ending at the
+    assistant header (multi-turn episodes of a chat model).
 
-    ``role``: ``"tool"`` hands back tool results (the repo domain's observations) as the template's tool turn.
+    ``observation``: a text, handed back as one turn of ``role`` (``"user"``: a shell episode's output), or a
+    list of chat messages (a ``tools`` episode's step: ``{"role": "tool", "name", "content"}`` per call, or a
+    ``user`` hint), rendered together by the template as those turns (a template that groups consecutive tool
+    results into one turn, as Qwen's does, groups them), whole.
     ``ended_turn``: the model's last token already ended its turn (it stopped on the end-of-turn token), so
     only what the template writes after that token follows.
     """
+    from actors.tools import apply_chat_template
+
+    messages = [{"role": role, "content": observation}] if isinstance(observation, str) else list(observation)
     base = [{"role": "system", "content": "s"}]
-    before = cast(str, tokenizer.apply_chat_template(base + [{"role": "assistant", "content": "\x00"}],
-                                                     tokenize=False))
+    before = apply_chat_template(tokenizer, base + [{"role": "assistant", "content": "\x00"}])
     closing = before.split("\x00", 1)[1]  # what the template writes after an assistant message
     eos = tokenizer.eos_token or ""
     if ended_turn and eos and closing.startswith(eos):
         closing = closing[len(eos):]
-    start = cast(str, tokenizer.apply_chat_template(base, tokenize=False))
-    turn = cast(str, tokenizer.apply_chat_template(base + [{"role": role, "content": observation}], tokenize=False,
-                                              add_generation_prompt=True))
+    start = apply_chat_template(tokenizer, base)
+    turn = apply_chat_template(tokenizer, base + messages, add_generation_prompt=True)
     if not turn.startswith(start):
         raise ValueError("the chat template renders a conversation's prefix differently once a turn is added")
     return list(tokenizer.encode(closing + turn[len(start):], add_special_tokens=False))

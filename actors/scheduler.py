@@ -228,6 +228,8 @@ class SourcedTask:
     stop: tuple[str, ...] = ()
     max_new_tokens: int | None = None
     """The domain's generation budget; None: ``inference.max_new_tokens``."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """Tools declared to the model (the domain's ``tools``; a JSONL row's own ``tools``)."""
 
 
 class TaskSource(Protocol):
@@ -253,11 +255,14 @@ class GeneratorSource:
     def next(self, difficulty: float) -> SourcedTask:
         prompt, spec = self._domain.generate(self._rng, difficulty)
         return SourcedTask(domain=self._domain.name, prompt=prompt, spec=spec, max_turns=self._domain.turns(spec),
-                           difficulty=difficulty, stop=self._domain.stop, max_new_tokens=self._domain.max_new_tokens)
+                           difficulty=difficulty, stop=self._domain.stop, max_new_tokens=self._domain.max_new_tokens,
+                           tools=self._domain.tools)
 
 
 class JsonlSource:
-    """Tasks from a JSONL file, one per line: ``{"domain", "prompt", "spec", "max_turns"?}``; read once."""
+    """Tasks from a JSONL file, one per line: ``{"domain", "prompt", "spec", "max_turns"?, "tools"?}``; read once.
+
+    ``tools`` (a list of function schemas) replaces the domain's own for that row."""
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
         self.path = Path(path)
@@ -286,8 +291,14 @@ class JsonlSource:
             raise ValueError(f"{where}: missing {', '.join(missing)}")
         domain = DOMAINS.get(row["domain"])
         max_turns = int(row.get("max_turns", domain.turns(row["spec"]) if domain else 1))
+        tools = row.get("tools", list(domain.tools) if domain else [])
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")
+                for t in tools):
+            raise ValueError(f'{where}: field tools: a list of {{"type": "function", "function": {{"name", ...}}}}')
         return SourcedTask(domain=row["domain"], prompt=row["prompt"], spec=row["spec"], max_turns=max_turns,
-                           stop=domain.stop if domain else (), max_new_tokens=domain.max_new_tokens if domain else None)
+                           stop=domain.stop if domain else (), max_new_tokens=domain.max_new_tokens if domain else None,
+                           tools=tuple(tools))
 
 
 class TaskFileSource:
@@ -326,7 +337,7 @@ class TaskFileSource:
         spec = dict(task.spec, task_file_id=task.id, task_file=self.name)
         return SourcedTask(domain=task.domain, prompt=task.prompt, spec=spec,
                            max_turns=task.max_turns or domain.turns(spec), stop=domain.stop,
-                           max_new_tokens=domain.max_new_tokens)
+                           max_new_tokens=domain.max_new_tokens, tools=domain.tools)
 
 
 # -- the actor -------------------------------------------------------------------------------------
@@ -536,7 +547,8 @@ class SchedulerActor(Actor):
             self._published_record = record
             return Task(task_id=f"{msg.domain}-{uuid.uuid4().hex[:20]}", domain=msg.domain, prompt=msg.prompt,
                         spec=spec, group_size=self.cfg.group_size, sampling=sampling,
-                        max_turns=msg.max_turns or domain.turns(spec), admitted_version=self.learner.version)
+                        max_turns=msg.max_turns or domain.turns(spec), admitted_version=self.learner.version,
+                        tools=list(domain.tools))
         return None
 
     def _sampling(self, max_new_tokens: int | None, stop: Sequence[str]) -> dict[str, Any]:
@@ -563,7 +575,7 @@ class SchedulerActor(Actor):
             return Task(task_id=f"{sourced.domain}-{uuid.uuid4().hex[:20]}", domain=sourced.domain,
                         prompt=sourced.prompt, spec=sourced.spec, group_size=self.cfg.group_size,
                         sampling=sampling, max_turns=sourced.max_turns, admitted_version=self.learner.version,
-                        difficulty=sourced.difficulty)
+                        difficulty=sourced.difficulty, tools=list(sourced.tools))
 
     async def wait_changed(self, timeout_s: float) -> None:
         """Wait until the learner status or the statistics change, or ``timeout_s`` passes."""

@@ -29,8 +29,8 @@ import json
 import re
 from typing import Any
 
-__all__ = ["BUILTIN_TOOLS", "ToolCall", "parse_tool_calls", "render_tool_messages", "tool_block", "tool_names",
-           "validate_arguments"]
+__all__ = ["BUILTIN_TOOLS", "ToolCall", "apply_chat_template", "hermes_call", "parse_tool_calls",
+           "render_tool_messages", "template_declares_tools", "tool_block", "tool_names", "validate_arguments"]
 
 BUILTIN_TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
@@ -80,6 +80,65 @@ def tool_block(tools: list[dict[str, Any]]) -> str:
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+def _template_source(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else json.dumps(template) if template else ""
+
+
+def _arguments(raw: Any) -> Any:
+    """A call's arguments as a JSON object (OpenAI sends them as a JSON string)."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def hermes_call(name: str, arguments: Any) -> str:
+    """One call in the Hermes/Qwen text form the :func:`tool_block` asks for (and :func:`parse_tool_calls` reads)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def _prepare(messages: list[dict[str, Any]], native_calls: bool) -> list[dict[str, Any]]:
+    """Assistant ``tool_calls`` (OpenAI form) for the template: kept, arguments as objects, for a template that
+    renders them; else written into the message's text as Hermes ``<tool_call>`` blocks (what the model emits)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if m.get("role") != "assistant" or not calls:
+            out.append(m)
+            continue
+        fns = [c.get("function", c) for c in calls]
+        if native_calls:
+            out.append({**m, "content": m.get("content") or "", "tool_calls": [
+                {**c, "function": {**fn, "arguments": _arguments(fn.get("arguments", {}))}}
+                for c, fn in zip(calls, fns)]})
+            continue
+        text = "\n".join(hermes_call(str(fn.get("name", "")), _arguments(fn.get("arguments", {}))) for fn in fns)
+        rest = {k: v for k, v in m.items() if k != "tool_calls"}
+        out.append({**rest, "content": f"{m.get('content') or ''}\n{text}".lstrip("\n")})
+    return out
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)``; a template that rejects the ``tool``
+    role (it raises on it) gets those messages as ``user`` turns instead."""
+    try:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, **kwargs))
+    except Exception:  # jinja2's TemplateError (raise_exception) or a template's own KeyError/TypeError
+        if not any(m.get("role") == "tool" for m in messages):
+            raise
+    as_user = [{"role": "user", "content": m.get("content") or ""} if m.get("role") == "tool" else m for m in messages]
+    return str(tokenizer.apply_chat_template(as_user, tokenize=False, **kwargs))
+
+
+def template_declares_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> bool:
+    """Whether the chat template renders ``tools=`` itself (else :func:`render_tool_messages` adds a block)."""
+    probe = [{"role": "user", "content": "x"}]
+    return apply_chat_template(tokenizer, probe, tools=tools) != apply_chat_template(tokenizer, probe)
+
+
 def render_tool_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                          *, add_generation_prompt: bool = True) -> str:
     """The chat template's text of ``messages`` with ``tools`` declared.
@@ -87,21 +146,23 @@ def render_tool_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: 
     Uses the template's own ``tools`` support when rendering with tools changes the text; otherwise (the
     template ignores them) the :func:`tool_block` is merged into the system message (or added as one).
     ``tool`` role messages are passed through; a template that rejects the role gets them as user turns.
+    Assistant messages with OpenAI ``tool_calls`` are passed to a template that renders ``tool_calls``
+    (arguments as objects); for one that does not, the calls are written into the message's text as Hermes
+    ``<tool_call>`` blocks, the form the tool block asks the model for.
     """
+    native = bool(tools) and template_declares_tools(tokenizer, tools or [])
+    messages = _prepare(messages, native or "tool_calls" in _template_source(tokenizer))
     if not tools:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    native = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
-    if native != plain:
-        return native
+        return apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    if native:
+        return apply_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
     block = tool_block(tools)
     if messages and messages[0].get("role") == "system":
         first = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{block}".lstrip()}
         merged = [first, *messages[1:]]
     else:
         merged = [{"role": "system", "content": block}, *messages]
-    return tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return apply_chat_template(tokenizer, merged, add_generation_prompt=add_generation_prompt)
 
 
 def _call_from_json(text: str) -> ToolCall:

@@ -81,6 +81,9 @@ class Message:
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
     MAX_TEXT: ClassVar[int] = 4 * 1024 * 1024
+    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset()
+    """Fields added after a schema's version, left out of the body while empty: a consumer that predates
+    them (and rejects unknown fields) still reads every record that does not use them."""
 
     def validate(self) -> None:
         """Check field types and invariants; raise SchemaError naming the field."""
@@ -97,6 +100,8 @@ class Message:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
+            if f.name in self.OMIT_WHEN_EMPTY and not v:
+                continue
             if isinstance(v, np.ndarray):
                 v = np.ascontiguousarray(v).tobytes()
             out[f.name] = v
@@ -238,10 +243,12 @@ class Task(Message):
     ``spec`` is the domain's verifier input (e.g. ``{"answer": "42"}`` for arith, ``{"tests": [...]}``
     for code, ``{"setup_files": ..., "checks": [...]}`` for terminal). ``prompt_ids`` may be given
     instead of ``prompt`` (token-in-token-out clients); if both are set, ``prompt_ids`` wins.
+    ``tools`` (function schemas) are declared to the model when its prompt is rendered.
     """
 
     SCHEMA: ClassVar[str] = "task"
     VERSION: ClassVar[int] = 1
+    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset({"tools"})
 
     task_id: str
     domain: str
@@ -253,10 +260,18 @@ class Task(Message):
     admitted_version: int = 0
     prompt_ids: TokenArray | None = None
     difficulty: float = 0.0
+    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Tools declared to the model, OpenAI / Hugging Face function schemas (``{"type": "function", "function":
+    {"name", "description", "parameters"}}``); the prompt is rendered with them (the chat template's ``tools=``,
+    else a Hermes block). Empty: none (a record without the field, from an older producer, too)."""
 
     def _check(self) -> None:
         if not self.task_id:
             raise SchemaError(self.SCHEMA, "task_id", "must not be empty")
+        for i, tool in enumerate(self.tools):
+            fn = tool.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise SchemaError(self.SCHEMA, f"tools[{i}].function.name", "a non-empty string is required")
         if not 1 <= self.group_size <= 1024:
             raise SchemaError(self.SCHEMA, "group_size", f"must be in 1..1024, got {self.group_size}")
         if not 1 <= self.max_turns <= 64:
@@ -344,6 +359,7 @@ class SandboxResult(Message):
 
     SCHEMA: ClassVar[str] = "sandbox_result"
     VERSION: ClassVar[int] = 1
+    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset({"messages"})
 
     episode_id: str
     step: int
@@ -353,7 +369,11 @@ class SandboxResult(Message):
     error: str = ""
     """Empty on success; ``EPISODES_FULL`` is backpressure (open again later), anything else ends the episode."""
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """On ``close``: the verifier's final-state facts of the episode (terminal domain)."""
+    """On ``close``: the final-state facts of the episode (what its domain's reward reads)."""
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """On ``step`` of a ``tools`` episode: the chat messages handing the results back (``{"role": "tool",
+    "name", "content"}`` per call, or a ``user`` hint), rendered whole as the template's turns; ``observation``
+    is then their contents joined. Empty for a shell episode (its ``observation`` is the shell output)."""
 
 
 EPISODES_FULL = "too_many_episodes"

@@ -313,8 +313,9 @@ class RepoEpisode:
 
 
 class RepoTerminalEpisode:
-    """A :class:`RepoEpisode` with the interface the episode actor drives (``TerminalEpisode``'s): the
-    ``command`` of a step is the model's whole reply, the observation the tool results' text."""
+    """A :class:`RepoEpisode` with the interface the episode actor and the evaluation drive (``Episode``): the
+    ``command`` of a step is the model's whole reply, the observation its ``tool`` messages (handed back to the
+    model as the template's tool turns)."""
 
     def __init__(self, spec: dict[str, Any], pool_or_sandbox: Any) -> None:
         self.spec = spec
@@ -333,17 +334,17 @@ class RepoTerminalEpisode:
     def done(self) -> bool:
         return self.episode is not None and self.episode.turns >= self.max_turns
 
-    async def step(self, command: str) -> str:
+    async def step(self, command: str) -> list[dict[str, Any]]:
         if self.episode is None:
             raise RuntimeError("RepoTerminalEpisode.open() first")
         if self.done:
             self.last_result = None
-            return f"[episode over: max_turns={self.max_turns} reached]"
+            return [{"role": "user", "content": f"[episode over: max_turns={self.max_turns} reached]"}]
         messages = await self.episode.step(command)
         errors = sum(m["content"].startswith("[tool error]") for m in messages)
         self.last_result = ExecResult(exit_code=1 if errors else 0, stdout="", stderr="", timed_out=False,
                                       oom_killed=False, duration_s=0.0, truncated=False)
-        return "\n\n".join(m["content"] for m in messages)
+        return messages
 
     async def finish(self) -> Facts:
         if self.episode is None:

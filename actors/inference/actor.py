@@ -11,9 +11,12 @@ For each task from ``rollout.tasks`` it generates the task's group of samples co
   resumed from prompt + tokens so far, so its tokens are kept and tagged with the version that made
   them (partial rollouts); with ``inference.partial_rollouts = false`` the update instead waits for the
   generations in flight to end, holding new ones back (:class:`GenerationGate`);
-- multi-turn episodes (``max_turns > 1``) alternate a model turn (one command, up to a newline) with
-  a sandbox step over ``rollout.sandbox.requests`` / ``rollout.sandbox.results``; observation tokens
-  get loss mask 0, logprob 0 and version -1.
+- multi-turn episodes (``max_turns > 1``) alternate a model turn (one command, up to a newline, or a chat
+  model's whole turn) with a sandbox step over ``rollout.sandbox.requests`` / ``rollout.sandbox.results``;
+  observation tokens get loss mask 0, logprob 0 and version -1. The context of a turn is the prompt ids,
+  the model's own sampled ids and the observation ids appended, never re-tokenised. A task's ``tools`` are
+  declared in its prompt (the chat template's ``tools=``, else a Hermes block); the steps of a ``tools``
+  episode come back as the template's ``tool`` turns, whole (:func:`observation_ids`).
 
 The finished sample goes to ``rollout.completions`` (key task_id). The task record is acknowledged
 only after all its completions are: a crash re-generates the whole group elsewhere.
@@ -50,6 +53,38 @@ def format_observation(output: str) -> str:
     """How a sandbox step's output is shown to the model (domains' demonstrations use the same)."""
     output = output[-OBSERVATION_LIMIT:]
     return f"{output}{'' if not output or output.endswith(chr(10)) else chr(10)}$ "
+
+
+Observation = str | list[dict[str, Any]]
+"""What one episode step hands back: a shell episode's output text, or a ``tools`` episode's chat messages."""
+
+
+def observation_text(observation: Observation) -> str:
+    """A step's observation as plain text (the messages' contents joined, for a ``tools`` step)."""
+    if isinstance(observation, str):
+        return observation
+    return "\n\n".join(str(m.get("content") or "") for m in observation)
+
+
+def observation_ids(tokenizer: Any, observation: Observation, last_id: int | None) -> list[int]:
+    """The token ids that follow the model's reply (ending in ``last_id``) to hand it one step's observation:
+    what the inference actor appends to a sample and the evaluation to its context, the same for both.
+
+    - messages (a ``tools`` episode's step), chat model: rendered by the chat template as those turns
+      (``tool`` role), whole: each tool result is already capped by the tool executor (head and tail kept);
+    - text (a shell episode's step), chat model: :func:`format_observation` (its last 400 characters and a
+      ``$`` prompt) as a user turn;
+    - a model without a chat template: :func:`format_observation` of the text, after a newline unless the
+      model's reply ended with one.
+    """
+    if has_chat_template(tokenizer):
+        ended = last_id is not None and last_id == tokenizer.eos_token_id
+        shown = observation if isinstance(observation, list) else format_observation(observation)
+        return render_observation(tokenizer, shown, ended_turn=ended)
+    text = format_observation(observation_text(observation))
+    if last_id is None or last_id != tokenizer.convert_tokens_to_ids("\n"):
+        text = "\n" + text
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class SandboxUnavailable(RuntimeError):
@@ -308,7 +343,7 @@ class InferenceActor(StreamActor):
         assert isinstance(task, Task)
         await self._await_weights(task)
         prompt_ids = (task.prompt_ids.tolist() if task.prompt_ids is not None
-                      else render_prompt(self.tokenizer, task.prompt))
+                      else render_prompt(self.tokenizer, task.prompt, tools=task.tools or None))
         completions: list[Completion | None] = [None] * task.group_size
         headers: list[dict[str, str]] = [{} for _ in range(task.group_size)]
         async with anyio.create_task_group() as tg:
@@ -458,15 +493,10 @@ class InferenceActor(StreamActor):
                 result = await self._sandbox(record, req("step", command))
                 transcript.append({"command": command, "observation": result.observation[-OBSERVATION_LIMIT:],
                                    "exit_code": result.exit_code})
-                # The model's own newline (if it stopped on one) stays; the observation follows it.
-                obs = format_observation(result.observation)
-                if chat:
-                    ended = bool(sample.ids) and sample.ids[-1] == self.tokenizer.eos_token_id
-                    sample.add_observation(render_observation(self.tokenizer, obs, ended_turn=ended))
-                    continue
-                if not sample.ids or sample.ids[-1] != self.tokenizer.convert_tokens_to_ids("\n"):
-                    obs = "\n" + obs
-                sample.add_observation(self.tokenizer.encode(obs, add_special_tokens=False))
+                # The model's own tokens (its end-of-turn token or newline, if it stopped on one) stay as
+                # sampled; the observation's ids follow them. A tools task's step: its tool messages, whole.
+                observation: Observation = result.messages if task.tools and result.messages else result.observation
+                sample.add_observation(observation_ids(self.tokenizer, observation, sample.ids[-1] if sample.ids else None))
             step += 1
             closed = await self._sandbox(record, req("close"))
             return finish, dict(closed.facts)

@@ -145,13 +145,16 @@ class EpisodeActor(_SandboxActorBase):
         return dataclasses.replace(ok, facts={"clamped": clamped} if clamped else {})
 
     async def _step(self, req: SandboxRequest, live: _Live) -> SandboxResult:
-        observation = await live.episode.step(req.command)
-        result = live.episode.last_result
+        answer = await live.episode.step(req.command)
+        result = getattr(live.episode, "last_result", None)  # the step's ExecResult; None: the episode is over
         live.last_used = time.monotonic()
+        # a tools episode answers with its messages (handed back whole, as tool turns); a shell one with text
+        messages = answer if isinstance(answer, list) else []
         return SandboxResult(
             episode_id=req.episode_id,
             step=req.step,
-            observation=observation,
+            observation=answer if isinstance(answer, str) else "\n\n".join(str(m.get("content") or "") for m in answer),
+            messages=messages,
             exit_code=None if result is None else result.exit_code,
             timed_out=False if result is None else result.timed_out,
             error="" if result is not None else "max_turns",

@@ -154,7 +154,7 @@ def test_task_directory_errors_name_the_missing_part(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_episode_actor_runs_repo_episodes_through_the_domains_episode() -> None:
     """What EpisodeActor opens for the repo domain (``Domain.new_episode``): a pooled sandbox, replies in,
-    tool output out; the shell domains get the terminal episode from the same interface."""
+    ``tool`` messages out; the shell domains get the terminal episode from the same interface."""
     from actors.domains.repo import RepoTerminalEpisode
     from sandboxes import SandboxPool
     from sandboxes.verifiers import TerminalEpisode
@@ -166,12 +166,17 @@ async def test_episode_actor_runs_repo_episodes_through_the_domains_episode() ->
         assert isinstance(episode, RepoTerminalEpisode)
         await episode.open()
         failing = await episode.step(_call("run_tests"))
-        assert "FAILED" in failing and episode.last_result is not None and episode.last_result.exit_code == 0
+        assert [m["role"] for m in failing] == ["tool"] and "FAILED" in failing[0]["content"]
+        assert episode.last_result is not None and episode.last_result.exit_code == 0
         bad = await episode.step(_call("nope"))
-        assert "unknown tool" in bad and episode.last_result.exit_code == 1
+        assert "unknown tool" in bad[0]["content"] and episode.last_result.exit_code == 1
         await episode.step(task.ideal)
+        for _ in range(3):  # up to max_turns=6; then a user note, and no result (the episode actor's "max_turns")
+            await episode.step(_call("run_tests"))
+        over = await episode.step(_call("run_tests"))
+        assert over == [{"role": "user", "content": "[episode over: max_turns=6 reached]"}] and episode.last_result is None
         facts = await episode.finish()
-    assert facts["completed"] and facts["turns"] == 3
+    assert facts["completed"] and facts["turns"] == 6
 
 
 @pytest.mark.anyio

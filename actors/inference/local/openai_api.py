@@ -1,8 +1,9 @@
 """OpenAI-compatible ``POST /v1/chat/completions`` over a :class:`LocalEngine` (its public submit API only).
 
-Request: ``messages`` (system/user/assistant/tool), optional ``tools`` (function JSON schemas, rendered by
-:func:`actors.tools.render_tool_messages`: the chat template's own tool support, else a Hermes-style system
-block), ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``), ``stop``, ``n``, ``seed``,
+Request: ``messages`` (system/user/assistant/tool; an assistant message may carry OpenAI ``tool_calls``, a
+``tool`` message hands a result back), optional ``tools`` (function JSON schemas), all rendered by
+:func:`actors.tools.render_tool_messages` as training and evaluation render them: the chat template's own
+tool support, else a Hermes-style system block and the calls as ``<tool_call>`` text), ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``), ``stop``, ``n``, ``seed``,
 ``stream``. Response: ``chat.completion`` with one choice per sample; when a reply holds tool calls (any
 format :func:`actors.tools.parse_tool_calls` reads) the message carries ``tool_calls`` (arguments as a JSON
 string, as OpenAI does) and ``finish_reason`` is ``"tool_calls"``. ``stream: true`` answers Server-Sent
@@ -49,6 +50,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content: must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) and c["function"]["name"] for c in calls)):
+            raise BadRequest(f"messages[{i}].tool_calls: only on an assistant message, a list of "
+                             '{"type": "function", "function": {"name", "arguments"}}')
         out.append({**m, "content": content})
     return out
 
