@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import numpy as np
 import pytest
 
-from actors.domains import Domain, register_domain, unregister_domain
-from actors.sandbox import SandboxSettings, _KeyedLocks, clamp_spec, failed_facts, pick_verifier
-from engine.config import SandboxConfig
+from actors.domains import DOMAINS, Domain, register_domain, score, unregister_domain
+from actors.runtime import Runtime
+from actors.sandbox import (SandboxResources, SandboxSettings, VerifyActor, _KeyedLocks, clamp_spec, failed_facts,
+                            pick_verifier)
+from engine.config import EngineConfig, SandboxConfig
+from engine.schemas import SANDBOX_ERROR, Completion
 from sandboxes.verifiers import VERIFIERS
+from streams.memory import MemoryEventLog
 
 CFG = SandboxConfig(timeout_s=10, memory_mb=256, pids=64)
 
@@ -91,3 +97,50 @@ def test_keyed_locks_serialize_one_key_in_arrival_order_and_clean_up() -> None:
     assert order.index("a1-") < order.index("a2+")
     assert order.index("b1+") < order.index("a1-")  # other keys are not blocked
     assert locks._locks == {}
+
+
+# -- VerifyActor: a multi-turn (repo) completion is judged from its own episode ------------------------------
+
+def _repo_completion(**kw: Any) -> Completion:
+    n = 4
+    fields: dict[str, Any] = dict(sample_id="s/0", task_id="s", domain="repo", group_index=0, group_size=1,
+                        prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(n, dtype=np.int32),
+                        logprobs=np.zeros(n, np.float32), loss_mask=np.array([1, 1, 0, 0], np.uint8),
+                        weight_versions=np.array([0, 0, -1, -1], np.int32), text='<tool_call>{"name": "run_tests"}',
+                        finish_reason="stop", spec={"template": "add_k", "k": 3, "seed": 1, "max_turns": 6},
+                        turns=2)
+    fields.update(kw)
+    return Completion(**fields)
+
+
+def _verify_actor() -> tuple[VerifyActor, SandboxResources]:
+    """A VerifyActor over in-memory transports and sandbox resources that were never acquired: any use of a
+    sandbox (``resources.pool``) would raise, so a replay in a fresh sandbox cannot go unnoticed."""
+    cfg = EngineConfig()
+    resources = SandboxResources(cfg.sandbox)
+    return VerifyActor(Runtime(cfg, event_log=MemoryEventLog(), use_nats=False), resources), resources
+
+
+def test_a_repo_completion_is_verified_from_its_episode_facts_without_a_sandbox() -> None:
+    actor, resources = _verify_actor()
+    facts = {"hidden_passed": 4, "hidden_total": 6, "turns": 2, "tool_calls": 2, "tool_errors": 0, "completed": False}
+    kind, got, error = asyncio.run(actor.verify(_repo_completion(episode_facts=facts)))
+    assert (kind, got, error) == ("repo", facts, "")
+    assert resources._pool is None and resources._refs == 0  # no sandbox acquired
+    assert actor.verifier_errors == 0 and actor.episodes_lost == 0
+    assert score("repo", got, "").correctness == DOMAINS["repo"].reward(facts, "") == 4 / 6
+    # the contrast: without episode facts the repo verifier replays the text in a sandbox; none here, so it fails
+    kind, got, error = asyncio.run(actor.verify(_repo_completion()))
+    assert kind == "repo" and "not acquired" in error and actor.verifier_errors == 1
+
+
+def test_a_repo_episode_that_lost_its_sandbox_is_an_error_not_a_zero_reward() -> None:
+    actor, resources = _verify_actor()
+    lost = _repo_completion(finish_reason=SANDBOX_ERROR, episode_facts={"error": "no sandbox reply for s/0 step 2"})
+    kind, facts, error = asyncio.run(actor.verify(lost))
+    assert kind == "repo" and error == "episode lost its sandbox: no sandbox reply for s/0 step 2"
+    assert "hidden_passed" not in facts and resources._pool is None
+    assert actor.episodes_lost == 1 and actor.verifier_errors == 0
+    # no reason given still makes it an error
+    kind, facts, error = asyncio.run(actor.verify(_repo_completion(finish_reason=SANDBOX_ERROR)))
+    assert error == "episode lost its sandbox: no reason given"
