@@ -227,14 +227,18 @@ class Domain:
         ``HELDOUT_DRAWS_PER_TASK * n`` draws. A repeated prompt would only weigh that prompt more, so an
         accuracy over these is one over distinct tasks.
         """
+        return [(task.prompt, task.spec) for task in self.heldout_examples(n, seed=seed, difficulty=difficulty)]
+
+    def heldout_examples(self, n: int, *, seed: int = 0, difficulty: float = 0.0) -> list[GeneratedTask]:
+        """The tasks of :meth:`heldout` with their ideal completions (constant-answer baselines read these)."""
         rng = split_rng(seed, "heldout")
-        out: dict[str, Spec] = {}
+        out: dict[str, GeneratedTask] = {}
         for _ in range(HELDOUT_DRAWS_PER_TASK * n):
             if len(out) >= n:
                 break
             task = self._draw(rng, difficulty, "heldout")
-            out.setdefault(task.prompt, task.spec)
-        return list(out.items())
+            out.setdefault(task.prompt, task)
+        return list(out.values())
 
     def turns(self, spec: Spec) -> int:
         """Turn budget of one task."""

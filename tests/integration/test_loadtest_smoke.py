@@ -62,3 +62,16 @@ def test_sandbox_loadtest_runs_bwrap_without_a_docker_engine(tmp_path: Path) -> 
     assert "phase_docker_run_s" not in figures
     for key in ("phase_cycles_s", "phase_open_s"):
         assert key in proc.stdout  # the table prints each phase's time
+
+
+def test_domain_table_quick_measures_each_domain_beside_its_constant_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "domains.json"
+    proc = subprocess.run([sys.executable, "-m", "loadtests.domains", "--quick", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["domains_measured"] == 3 and set(figures["domains"]) == {"arith", "code", "terminal"}
+    for row in figures["domains"].values():
+        assert row["tasks"] == 2 and 0.0 <= row["solved"] <= 1.0 and 0.0 < row["constant_baseline"] <= 1.0
+        low, high = row["solved_ci95"]
+        assert low <= row["solved"] <= high
