@@ -358,9 +358,11 @@ class SchedulerActor(Actor):
         self.cfg = cfg
         self.names: Names = rt.names
         if sources is None:
-            unknown = sorted(set(cfg.domains) - set(DOMAINS))
-            if unknown:
-                raise ValueError(f"scheduler.domains names unknown domains {unknown}; known: {sorted(DOMAINS)}")
+            for name in cfg.domains:  # a lookup resolves families (rg:NAME); the error says why (unknown, unavailable)
+                try:
+                    DOMAINS[name]
+                except KeyError as exc:
+                    raise ValueError(f"scheduler.domains: {exc}") from None
             sources = [GeneratorSource(DOMAINS[d], cfg.seed) for d in cfg.domains]
             if cfg.task_files:
                 names = [Path(p).name for p in cfg.task_files]

@@ -74,8 +74,10 @@ def _domain_counts(pairs: list[str]) -> dict[str, int]:
         name, sep, count = pair.partition("=")
         if not sep or not name or not count.isdigit() or int(count) < 1:
             raise EvalInputError(f"--domain wants NAME=N with N >= 1, got {pair!r}")
-        if name not in DOMAINS:
-            raise EvalInputError(f"--domain {pair}: unknown domain {name!r}; known: {', '.join(sorted(DOMAINS))}")
+        try:
+            DOMAINS[name]  # resolves families (rg:NAME); the error says why (unknown, or unavailable here)
+        except KeyError as exc:
+            raise EvalInputError(f"--domain {pair}: {exc}") from None
         out[name] = int(count)
     return out
 
