@@ -255,7 +255,7 @@ class GeneratorSource:
     def next(self, difficulty: float) -> SourcedTask:
         prompt, spec = self._domain.generate(self._rng, difficulty)
         return SourcedTask(domain=self._domain.name, prompt=prompt, spec=spec, max_turns=self._domain.turns(spec),
-                           difficulty=difficulty, stop=self._domain.stop, max_new_tokens=self._domain.max_new_tokens,
+                           difficulty=difficulty, stop=self._domain.stop, max_new_tokens=self._domain.budget(spec),
                            tools=self._domain.tools)
 
 
@@ -319,6 +319,10 @@ class TaskFileSource:
         self.domain: str | None = None
         self.tasks = shard(TaskFile(self.path, known_domains=DOMAINS, mapping=mapping).tasks, replica, replicas)
         self.position = 0
+        for task in self.tasks:
+            if not DOMAINS[task.domain].trainable:
+                raise ValueError(f"scheduler.task_files: {self.path}:{task.row}: domain {task.domain!r} is an evaluation "
+                                 "set (trainable = false), never trained on; evaluate it with rollout eval --tasks")
 
     def skip_issued(self, row_ids: list[str]) -> list[str]:
         """Move past rows found already issued (ids of this shard); returns the ids that were past ``position``."""
@@ -337,7 +341,7 @@ class TaskFileSource:
         spec = dict(task.spec, task_file_id=task.id, task_file=self.name)
         return SourcedTask(domain=task.domain, prompt=task.prompt, spec=spec,
                            max_turns=task.max_turns or domain.turns(spec), stop=domain.stop,
-                           max_new_tokens=domain.max_new_tokens, tools=domain.tools)
+                           max_new_tokens=domain.budget(spec), tools=domain.tools)
 
 
 # -- the actor -------------------------------------------------------------------------------------
@@ -363,6 +367,9 @@ class SchedulerActor(Actor):
                     DOMAINS[name]
                 except KeyError as exc:
                     raise ValueError(f"scheduler.domains: {exc}") from None
+                if not DOMAINS[name].trainable:
+                    raise ValueError(f"scheduler.domains: {name!r} is an evaluation set (trainable = false), never "
+                                     "trained on; evaluate it with rollout eval")
             sources = [GeneratorSource(DOMAINS[d], cfg.seed) for d in cfg.domains]
             if cfg.task_files:
                 names = [Path(p).name for p in cfg.task_files]

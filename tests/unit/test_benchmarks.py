@@ -192,3 +192,12 @@ def test_mean_interval_covers_the_population_pass_at_k() -> None:
         lo, hi = mean_interval([pass_at_k(n, c, k) for c in solved])
         covered_k += lo <= true_pk <= hi
     assert covered_1 / trials >= 0.93 and covered_k / trials >= 0.93
+
+
+def test_the_scheduler_trains_on_benchmark_files_with_their_budget_but_never_on_humaneval(tmp_path: Path) -> None:
+    from actors.scheduler import TaskFileSource
+
+    task = TaskFileSource(_jsonl(tmp_path / "gsm.jsonl", [GSM8K_ROW])).next(0.0)
+    assert task is not None and (task.domain, task.max_new_tokens, task.spec["answer"]) == ("gsm8k", 256, "1234")
+    with pytest.raises(ValueError, match=r"he\.jsonl:1: domain 'humaneval' is an evaluation set"):
+        TaskFileSource(_jsonl(tmp_path / "he.jsonl", [HUMANEVAL_ROW]))
