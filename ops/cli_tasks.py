@@ -34,7 +34,8 @@ def register(parser: argparse.ArgumentParser) -> None:
         p.add_argument("file")
         p.add_argument("--domain", help="default domain for rows that name none")
         p.add_argument("--map", action="append", default=[], metavar="FIELD=COLUMN",
-                       help="read task FIELD from the file's COLUMN (repeatable), e.g. --map prompt=question")
+                       help="read task FIELD from the file's COLUMN (repeatable), e.g. --map prompt=question; or a "
+                            "constant (--map domain=const:math) or a template (--map 'prompt={question}\\n{hint}')")
         p.set_defaults(func=func)
         if name == "preview":
             p.add_argument("-n", type=int, default=3, help="how many tasks to render (default 3)")
@@ -75,7 +76,8 @@ def _validate(args: argparse.Namespace) -> int:
     if tf is None:
         return 1
     per_domain = Counter(t.domain for t in tf.tasks)
-    print(f"{tf.path}: {len(tf.tasks)} tasks OK ({', '.join(f'{d} {n}' for d, n in sorted(per_domain.items()))})")
+    layout = f", {tf.layout.name} layout" if tf.layout is not None else ""
+    print(f"{tf.path}: {len(tf.tasks)} tasks OK ({', '.join(f'{d} {n}' for d, n in sorted(per_domain.items()))}{layout})")
     return 0
 
 

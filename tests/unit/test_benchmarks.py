@@ -142,7 +142,7 @@ def test_file_only_domains_say_so_and_humaneval_is_all_held_out() -> None:
 def test_cli_validate_reads_a_benchmark_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _jsonl(tmp_path / "gsm.jsonl", [GSM8K_ROW, GSM8K_ROW])
     assert cli_main(["tasks", "validate", str(path)]) == 0
-    assert "2 tasks OK (gsm8k 2)" in capsys.readouterr().out
+    assert "2 tasks OK (gsm8k 2, GSM8K layout)" in capsys.readouterr().out
 
 
 def test_candidate_program() -> None:
