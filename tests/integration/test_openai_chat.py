@@ -94,6 +94,37 @@ def test_chat_completion_with_tools(server_url: str) -> None:
     assert json.loads(raw)["usage"]["prompt_tokens"] < body["usage"]["prompt_tokens"]
 
 
+CALLED = [*MESSAGES,
+          {"role": "assistant", "content": None, "tool_calls": [
+              {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}]},
+          {"role": "tool", "tool_call_id": "call_1", "name": "run_tests",
+           "content": "FAILED test_lib.py::test_visible_0: AssertionError\nSUMMARY passed=2 failed=1"}]
+
+
+def test_a_conversation_with_tool_calls_and_results_renders_as_training_renders_it(
+        server_url: str, real_model_dir: Path) -> None:
+    """Assistant ``tool_calls`` and a ``tool`` result go through the same rendering as training and evaluation
+    (``render_tool_messages``): the prompt the server ran is exactly that many tokens, the result's tool turn
+    is in it (dropping it or the call shortens the prompt)."""
+    from transformers import AutoTokenizer
+
+    from actors.tools import render_tool_messages
+
+    tokenizer = AutoTokenizer.from_pretrained(str(real_model_dir), local_files_only=True)
+    status, raw = _post(server_url + "/v1/chat/completions",
+                        {"messages": CALLED, "tools": BUILTIN_TOOLS, "temperature": 0, "max_tokens": 8})
+    assert status == 200, raw
+    prompt_tokens = json.loads(raw)["usage"]["prompt_tokens"]
+    text = render_tool_messages(tokenizer, [{**m, "content": m["content"] or ""} for m in CALLED], BUILTIN_TOOLS)
+    assert prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    assert '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>' in text  # SmolLM2: the call as text
+    assert "<|im_start|>tool\nFAILED test_lib.py" in text
+    for fewer in (CALLED[:-1], [*CALLED[:2], CALLED[3]]):
+        _, raw = _post(server_url + "/v1/chat/completions",
+                       {"messages": fewer, "tools": BUILTIN_TOOLS, "temperature": 0, "max_tokens": 1})
+        assert json.loads(raw)["usage"]["prompt_tokens"] < prompt_tokens
+
+
 def test_streaming_ends_with_done_and_matches_the_plain_reply(server_url: str) -> None:
     request = {"messages": MESSAGES, "tools": BUILTIN_TOOLS, "temperature": 0, "max_tokens": 16}
     _, raw = _post(server_url + "/v1/chat/completions", request)
@@ -123,6 +154,9 @@ def test_stop_string_cuts_the_reply(server_url: str) -> None:
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]},
+     "messages[2].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
     ({"messages": MESSAGES, "temperature": -1}, "temperature"),
 ])
 def test_bad_requests_name_the_field(server_url: str, body: Any, fragment: str) -> None:
