@@ -127,10 +127,11 @@ async def test_chat_style_completions_are_judged_as_their_program() -> None:
 async def test_mbpp_rows_run_their_asserts_after_the_setup_code() -> None:
     from actors.domains.benchmarks import mbpp_row
 
-    row = {"text": "Write a function to scale a number.", "code": "def scale(x):\n    return x * FACTOR",
+    reference = "def scale(x):\n    return x * FACTOR"
+    row = {"text": "Write a function to scale a number.", "code": reference,
            "test_setup_code": "FACTOR = 3", "test_list": ["assert scale(2) == 6", "assert scale(0) == 0"]}
     spec = mbpp_row(row, "row")["spec"]
-    answers = {"reference in a block": f"```python\n{row['code']}\n```", "plain reference": row["code"],
+    answers = {"reference in a block": f"```python\n{reference}\n```", "plain reference": reference,
                "wrong": "```python\ndef scale(x):\n    return x * 2\n```", "exits early": "import os\nos._exit(0)"}
     async with SandboxPool("bwrap", Limits(memory_mb=256, pids=64, timeout_s=30), size=2, max_size=2) as pool:
         passed = {name: (await DOMAINS["mbpp"].verify(text, spec, pool))["passed"] for name, text in answers.items()}
