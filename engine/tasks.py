@@ -296,6 +296,14 @@ def _no_layout(where: str, fields: Iterable[str], layouts: Iterable[Layout]) -> 
                          "(or name the domain and map columns with --map FIELD=COLUMN)")
 
 
+def _absent(raw: Mapping[str, Any], mapping: Mapping[str, str] | None, field: str) -> str:
+    """A missing field's hint when the mapping renames a column this row lacks onto it."""
+    spec = (mapping or {}).get(field)
+    if spec is None or field_source(field, spec).kind != "column" or raw.get(spec) is not None:
+        return ""
+    return f"; --map {field}={spec}: this row has no column {spec!r} (columns: {sorted(raw)})"
+
+
 def parse_row(raw: Any, where: str, *, known_domains: Iterable[str], default_domain: str | None = None,
               mapping: Mapping[str, str] | None = None) -> UserTask:
     """One raw row -> a :class:`UserTask`, or a :class:`TaskFileError` naming ``where`` and the field."""
@@ -308,7 +316,8 @@ def parse_row(raw: Any, where: str, *, known_domains: Iterable[str], default_dom
                             "(map other columns with a field mapping)")
     domain = row.get("domain", default_domain)
     if not domain:
-        raise TaskFileError(f"{where}: field 'domain' is missing (and the source names no default domain)")
+        raise TaskFileError(f"{where}: field 'domain' is missing (and the source names no default domain)"
+                            + _absent(raw, mapping, "domain"))
     known = set(known_domains)
     if domain not in known:
         raise TaskFileError(f"{where}: field 'domain': unknown domain {domain!r}; known: {sorted(known)}")
@@ -320,7 +329,8 @@ def parse_row(raw: Any, where: str, *, known_domains: Iterable[str], default_dom
         users = [m["content"] for m in messages if m.get("role", "user") == "user"]
         prompt = users[-1] if users else None
     if not isinstance(prompt, str) or not prompt.strip():
-        raise TaskFileError(f"{where}: field 'prompt' (or 'messages' with a user turn) is missing or empty")
+        raise TaskFileError(f"{where}: field 'prompt' (or 'messages' with a user turn) is missing or empty"
+                            + _absent(raw, mapping, "prompt"))
     spec = dict(row.get("spec") or {})
     if "answer" in row:
         spec["answer"] = str(row["answer"])
@@ -333,7 +343,8 @@ def parse_row(raw: Any, where: str, *, known_domains: Iterable[str], default_dom
             raise TaskFileError(f"{where}: field 'files': expected an object of path -> content")
         spec["files"] = dict(row["files"])
     if not any(k in spec for k in ("answer", "tests", "checks", "goals")):
-        raise TaskFileError(f"{where}: field 'answer' is missing (a task needs an answer, tests or a spec to verify)")
+        raise TaskFileError(f"{where}: field 'answer' is missing (a task needs an answer, tests or a spec to verify)"
+                            + _absent(raw, mapping, "answer"))
     metadata = row.get("metadata") or {}
     if not isinstance(metadata, Mapping):
         raise TaskFileError(f"{where}: field 'metadata': expected an object")

@@ -190,3 +190,10 @@ def test_a_template_column_missing_names_the_mapping_and_line(tmp_path: Path, ca
     assert err.count("\n") == 1
     with pytest.raises(SystemExit, match="rollout tasks: --map prompt=\\{q: malformed template"):
         cli_main(["tasks", "validate", str(path), "--map", "prompt={q"])
+
+
+def test_a_renamed_column_missing_from_a_row_is_named(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "t.jsonl", [{"q": "1 + 1?", "sol": "2"}, {"sol": "4"}])
+    with pytest.raises(TaskFileError, match=r"t\.jsonl:2: field 'prompt' .* is missing or empty; --map prompt=q: "
+                                            r"this row has no column 'q' \(columns: \['sol'\]\)"):
+        TaskFile(path, known_domains=KNOWN, default_domain="math", mapping={"prompt": "q", "answer": "sol"})
