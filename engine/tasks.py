@@ -161,11 +161,11 @@ def field_source(field: str, spec: str) -> FieldSource:
     """
     text = f"{field}={spec}"
     if spec.startswith(CONST_PREFIX):
-        raw = _unescape(spec[len(CONST_PREFIX):])
+        body = spec[len(CONST_PREFIX):]
         try:
-            return FieldSource("const", json.loads(raw), text)
+            return FieldSource("const", json.loads(body), text)
         except json.JSONDecodeError:
-            return FieldSource("const", raw, text)
+            return FieldSource("const", _unescape(body), text)
     if len(spec) >= 2 and spec[0] == spec[-1] == '"':
         try:
             value = json.loads(spec)

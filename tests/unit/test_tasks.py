@@ -142,7 +142,7 @@ def test_scheduler_task_file_source_shards_and_resumes(tmp_path: Path) -> None:
 
 
 def test_mapping_constants_and_templates(tmp_path: Path) -> None:
-    from engine.tasks import parse_mapping
+    from engine.tasks import field_source, parse_mapping
 
     rows = [{"q": "What is 2 + 2?", "hint": "add", "sol": 4, "n": 1}, {"q": "What is 3 * 3?", "hint": "multiply", "sol": 9, "n": 2}]
     path = _jsonl(tmp_path / "t.jsonl", rows)
@@ -152,6 +152,9 @@ def test_mapping_constants_and_templates(tmp_path: Path) -> None:
     assert (a.domain, a.prompt, a.spec, a.id, a.metadata) == (
         "math", "What is 2 + 2?\n\nHint: add {literally}", {"answer": "4"}, "q1", {"src": "x"})
     assert b.prompt.endswith("Hint: multiply {literally}") and b.id == "q2"
+    consts = {"metadata": 'const:{"note": "a\\nb"}', "max_turns": "const:3", "domain": "const:math\\tx"}
+    assert {f: field_source(f, v).value for f, v in consts.items()} == {
+        "metadata": {"note": "a\nb"}, "max_turns": 3, "domain": "math\tx"}
     # the quoted-JSON constant is the same as const:
     quoted = TaskFile(path, known_domains=KNOWN, mapping=parse_mapping(['domain="math"', "prompt={q} ({hint})",
                                                                         "answer=sol", "id=n"])).tasks
