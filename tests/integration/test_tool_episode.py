@@ -14,7 +14,9 @@ Checked: the prompt declares the tools (SmolLM2 ignores ``tools=``: the Hermes b
 exactly prompt + everything so far (the context is never re-tokenised); the completion's tokens at
 loss_mask 1 are, turn by turn and in order, the server's output ids (and their logprobs); every observation
 is exactly the rendering of that step's ``tool`` messages as read from ``rollout.sandbox.results``; the
-outcome is the repo verifier's, judged from the episode's own facts.
+outcome is the repo verifier's, judged from the episode's own facts. Then ``rollout eval``'s episode loop
+(:func:`actors.evaluate.run_episodes`) plays the same task against the same server: its requests are the
+actor's, id for id (same tools declared, same tool turns, same token-in-token-out context).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transformers import AutoTokenizer
 
 from actors.domains import DOMAINS
 from actors.domains.repo import TEMPLATES, render_task
+from actors.evaluate import EvalTask, run_episodes
 from actors.inference.actor import InferenceActor, observation_ids
 from actors.inference.launch import LocalServer
 from actors.inference.sglang_client import GenerateResult, SSEParser
@@ -163,6 +166,10 @@ async def test_a_three_turn_tool_episode_trains_on_exactly_the_tokens_the_server
                                 results.append(m)
                             r.ack()
                 sup.drain()
+            played = len(recorder.generations)
+            records = await run_episodes(url, [EvalTask("repo-tools-eval", "repo", PROMPT, task.spec, TURNS)],
+                                         max_new_tokens=48, concurrency=1, tokenizer=tokenizer)
+            evaluated = recorder.generations[played:]
 
     assert completion is not None and outcome is not None
     # -- the prompt: the task's tools declared (SmolLM2's template ignores tools=: the Hermes block) ----------
@@ -204,3 +211,7 @@ async def test_a_three_turn_tool_episode_trains_on_exactly_the_tokens_the_server
     assert completion.finish_reason != "sandbox_error" and completion.episode_facts["turns"] == TURNS
     assert outcome.verifier == "repo" and outcome.error == "" and outcome.facts == completion.episode_facts
     assert outcome.facts["hidden_total"] == 6 and outcome.facts["tool_calls"] >= 1
+
+    # -- the evaluation plays it the same way: the same requests, id for id ------------------------------------
+    assert [r["input_ids"] for r, _ in evaluated] == [r["input_ids"] for r, _ in generations]
+    assert records[0].turns == TURNS and records[0].correctness == outcome.facts["hidden_passed"] / 6
