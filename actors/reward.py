@@ -21,9 +21,12 @@ Delivery (the design's rule: a record is acked only after what it produced is ac
   one sample.
 
 Statistics: per domain a Welford mean/std of rewards, an exponential average of correctness (the
-scheduler's curriculum signal), group and zero-variance counts. A snapshot (``RewardStats``) is put
-under ``REWARD_STATS_KEY`` in the control KV bucket every ``stats_interval_s``. With several reward
-actors each writes its own partitions' view to the same key (last writer wins): a sample of the whole.
+scheduler's curriculum signal), cumulative counters (samples, correctness sum, groups, zero-variance
+groups, verifier errors). A snapshot is put under ``REWARD_STATS_KEY`` in the control KV bucket every
+``stats_interval_s``, with the writer's ``instance`` and ``epoch`` (new whenever these statistics start
+from zero). With several reward actors each writes its own partitions' counters to the same key; the
+scheduler keeps every writer's latest and differences them (``actors.scheduler.RewardStatsMerger``), so the
+counts add up rather than the last writer winning.
 """
 
 from __future__ import annotations
@@ -94,15 +97,20 @@ class DomainStats:
     rewards: Welford = dataclasses.field(default_factory=Welford)
     success: float | None = None
     """Exponential average of correctness (the reward without format and length terms)."""
+    correct_total: float = 0.0
+    """Sum of correctness over the samples judged (``count`` of them): a counter the scheduler differences."""
     groups: int = 0
     zero_variance_groups: int = 0
     timed_out_groups: int = 0
     stragglers: int = 0
     verifier_errors: int = 0
+    error_groups: int = 0
+    """Groups whose every sample failed in the verifier: not counted in ``groups`` (nothing was judged)."""
 
     def observe(self, reward: RewardBreakdown) -> None:
         self.rewards.update(reward.total)
         c = reward.correctness
+        self.correct_total += c
         self.success = c if self.success is None else self.success + SUCCESS_EMA_ALPHA * (c - self.success)
 
     def snapshot(self) -> dict[str, Any]:
@@ -111,12 +119,14 @@ class DomainStats:
             "mean": self.rewards.mean,
             "std": self.rewards.std,
             "success": self.success if self.success is not None else 0.0,
+            "correct_total": self.correct_total,
             "groups": self.groups,
             "zero_variance_groups": self.zero_variance_groups,
             "zero_variance_rate": self.zero_variance_groups / self.groups if self.groups else 0.0,
             "timed_out_groups": self.timed_out_groups,
             "stragglers": self.stragglers,
             "verifier_errors": self.verifier_errors,
+            "error_groups": self.error_groups,
         }
 
 
@@ -282,6 +292,8 @@ class RewardActor(StreamActor):
         self.stats: dict[str, DomainStats] = collections.defaultdict(DomainStats)
         self._seen = _SeenIds(1 << 17)
         self._last_stats_put = 0.0
+        self.epoch = hashlib.blake2b(f"{rt.instance}:{time.time_ns()}:{id(self)}".encode(), digest_size=8).hexdigest()
+        """Names this actor's run of statistics (they start from zero): the scheduler differences counters within one."""
         self.duplicates = 0
         self.emitted = 0
         self._riders: dict[str, list[EventRecord]] = {}
@@ -371,8 +383,11 @@ class RewardActor(StreamActor):
         stats = self.stats[domain]
         zero_variance = is_zero_variance(rewards)
         advantages = group_advantages(rewards, self.cfg.normalize, domain_std=stats.rewards.std)
-        stats.groups += 1
-        stats.zero_variance_groups += zero_variance
+        if valid:
+            stats.groups += 1
+            stats.zero_variance_groups += zero_variance
+        else:  # nothing judged: no evidence about the domain's signal (the verifier failed on every sample)
+            stats.error_groups += 1
         stats.timed_out_groups += timed_out
         drop = zero_variance and self.cfg.drop_zero_variance
         by_sample = {m.experience.sample_id: a for m, a in zip(valid, advantages)}
@@ -430,7 +445,7 @@ class RewardActor(StreamActor):
     # -- introspection -------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Per-domain statistics (the ``REWARD_STATS_KEY`` value)."""
-        return {"updated_at": time.time(), "instance": self.rt.instance,
+        return {"updated_at": time.time(), "instance": f"{self.rt.instance}/{self.name}", "epoch": self.epoch,
                 "domains": {d: s.snapshot() for d, s in sorted(self.stats.items())}}
 
     def statistics(self) -> dict[str, Any]:

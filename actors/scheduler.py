@@ -14,12 +14,17 @@ is acknowledged by the broker, so a restart neither loses nor repeats one (bar a
   consumed but will never train (zero-variance groups, stragglers, too stale): they leave the
   "running" set without becoming "accepted", and without subtracting them a run whose groups are all
   filtered would stall forever at the bound.
-- :class:`DomainMixer` — configured weights (``scheduler.domains``), each multiplied by
-  ``1 - zero_variance_rate`` of its domain (floored, so no domain starves and its statistics keep coming).
+- :class:`DomainMixer` — configured weights (``scheduler.domains``) times a balancing policy's factor
+  (``scheduler.balance``: ``static``, ``zero_variance`` — ``1 - zero_variance_rate``, floored — or
+  ``signal`` — the domain's learning signal over its recent groups), held within a floor and a cap per
+  source; a domain whose verifier fails on every sample is paused.
 - :class:`Curriculum` — per-domain difficulty in [0, 1], raised when the domain's recent success rate is
   high and lowered when it is low, at most once per ``min_samples`` new samples.
 
-Observed statistics come from the reward actors' snapshot (KV key ``actors.reward.REWARD_STATS_KEY``).
+Observed statistics come from the reward actors' snapshots (KV key ``actors.reward.REWARD_STATS_KEY``):
+each carries its writer's instance, epoch and cumulative counters; :class:`RewardStatsMerger` keeps every
+writer's latest and differences them, so several reward actors add up instead of the last writer winning.
+The mixer's windows and the merger's counters are checkpointed in the scheduler's status.
 The scheduler's own counters are put under ``SCHEDULER_STATUS_KEY`` (replica k > 0 of several: under
 ``scheduler_status_key(k)``) and read back at start, so a restarted scheduler does not re-admit what its
 predecessor admitted.
@@ -34,7 +39,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -117,40 +122,363 @@ class Admission:
 
 # -- domain weights and curriculum -----------------------------------------------------------------
 
-class DomainMixer:
-    """Sampling weights over sources, rebalanced from observed statistics."""
+BALANCE_POLICIES = ("static", "zero_variance", "signal")
+"""The sampling-share policies of :class:`DomainMixer` (``scheduler.balance.policy``)."""
 
-    def __init__(self, weights: dict[str, float], *, floor: float = 0.1, min_groups: int = 4) -> None:
-        if any(w < 0 for w in weights.values()) or (weights and sum(weights.values()) <= 0):
-            raise ValueError(f"domain weights must be non-negative with a positive sum, got {weights}")
+MIN_SIGNAL = 0.05
+"""Least ``signal`` score of a measured domain: it keeps being sampled (and measured) at ~1/20 of a
+full-signal domain's rate, so a domain that regains signal can be seen to."""
+
+REWARD_COUNTERS = ("count", "groups", "zero_variance_groups", "correct_total", "verifier_errors")
+"""Cumulative per-domain counters of a reward actor's snapshot that the scheduler differences."""
+
+
+class RewardStatsMerger:
+    """Per-domain statistics of several reward actors, merged; and what each new snapshot adds.
+
+    Every reward actor puts its own cumulative counters (:data:`REWARD_COUNTERS`) under one KV key with its
+    ``instance`` and ``epoch`` (new each time its statistics start from zero). The merger keeps each
+    writer's latest counters, so the merged totals are the sum over writers (not the last writer's view),
+    and :meth:`add` returns what a snapshot added since that writer's previous one: the scheduler's windows
+    are built from these increments. A writer's new epoch (a restart) retires its old counters into
+    ``retired``; a snapshot without instance or epoch (an older reward actor) is one anonymous writer.
+    """
+
+    def __init__(self) -> None:
+        self.latest: dict[str, dict[str, Any]] = {}
+        """instance -> {"epoch", "domains": {domain: {counter: value, "success": ema}}}."""
+        self.retired: dict[str, dict[str, float]] = {}
+
+    def add(self, snapshot: dict[str, Any]) -> dict[str, dict[str, float]]:
+        """Take one snapshot; returns the per-domain increments of the counters since its writer's last."""
+        instance, epoch = str(snapshot.get("instance", "")), str(snapshot.get("epoch", ""))
+        domains = snapshot.get("domains", {})
+        if not isinstance(domains, dict):
+            raise ValueError("reward statistics: 'domains' is not an object")
+        prev = self.latest.get(instance)
+        if prev is not None and prev["epoch"] != epoch:  # the writer restarted: its counters start again
+            for d, c in prev["domains"].items():
+                r = self.retired.setdefault(d, {k: 0.0 for k in REWARD_COUNTERS})
+                for k in REWARD_COUNTERS:
+                    r[k] += float(c.get(k, 0.0))
+            prev = None
+        before = prev["domains"] if prev is not None else {}
+        now: dict[str, dict[str, float]] = {}
+        deltas: dict[str, dict[str, float]] = {}
+        for d, s in domains.items():
+            if not isinstance(s, dict):
+                continue
+            cur = {k: _number(s.get(k)) for k in REWARD_COUNTERS}
+            cur["success"] = _number(s.get("success"))
+            old = before.get(d, {})
+            if any(cur[k] < float(old.get(k, 0.0)) for k in REWARD_COUNTERS):
+                old = {}  # counters went back under one epoch: read them as new
+            delta = {k: cur[k] - float(old.get(k, 0.0)) for k in REWARD_COUNTERS}
+            if any(delta.values()):
+                deltas[d] = delta
+            now[d] = cur
+        for d, c in before.items():  # a domain the writer no longer lists keeps its last counters
+            now.setdefault(d, c)
+        self.latest[instance] = {"epoch": epoch, "domains": now}
+        return deltas
+
+    def merged(self) -> dict[str, dict[str, float]]:
+        """Per-domain totals over every writer: counters summed, ``success`` count-weighted, rates derived."""
+        out: dict[str, dict[str, float]] = {}
+        for d, r in self.retired.items():
+            out[d] = {**{k: r.get(k, 0.0) for k in REWARD_COUNTERS}, "success_weight": 0.0, "success": 0.0}
+        for w in self.latest.values():
+            for d, c in w["domains"].items():
+                m = out.setdefault(d, {**{k: 0.0 for k in REWARD_COUNTERS}, "success_weight": 0.0, "success": 0.0})
+                for k in REWARD_COUNTERS:
+                    m[k] += float(c.get(k, 0.0))
+                n = float(c.get("count", 0.0))
+                if n > 0 and m["success_weight"] == 0:  # one writer: its figure as is
+                    m["success"], m["success_weight"] = float(c.get("success", 0.0)), n
+                elif n > 0:
+                    total = m["success_weight"] + n
+                    m["success"] = (m["success"] * m["success_weight"] + float(c.get("success", 0.0)) * n) / total
+                    m["success_weight"] = total
+        for m in out.values():
+            m.pop("success_weight")
+            m["zero_variance_rate"] = m["zero_variance_groups"] / m["groups"] if m["groups"] else 0.0
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"latest": self.latest, "retired": self.retired}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.latest = {str(i): {"epoch": str(w.get("epoch", "")),
+                                "domains": {str(d): {k: _number(v) for k, v in c.items()}
+                                            for d, c in dict(w.get("domains", {})).items()}}
+                       for i, w in dict(state.get("latest", {})).items()}
+        self.retired = {str(d): {k: _number(v) for k, v in c.items()} for d, c in dict(state.get("retired", {})).items()}
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class DomainWindow:
+    """One source's recent groups (``varied``: share with unequal rewards; ``solve``: mean correctness),
+    plus its verifier-error streak and pauses."""
+
+    groups: deque[tuple[float, float]] = dataclasses.field(default_factory=deque)
+    pending_samples: float = 0.0
+    """Samples scored whose groups were not yet counted (a snapshot between a sample and its group's flush)."""
+    pending_correct: float = 0.0
+    groups_seen: int = 0
+    verifier_errors: int = 0
+    error_streak: int = 0
+    """Verifier errors since the last sample that was judged (all of them, when the verifier always fails)."""
+    paused_until: float | None = None
+    pauses: int = 0
+
+    def add(self, delta: Mapping[str, float], window: int) -> None:
+        groups = int(round(delta.get("groups", 0.0)))
+        self.pending_samples += delta.get("count", 0.0)
+        self.pending_correct += delta.get("correct_total", 0.0)
+        if groups > 0:
+            varied = max(0.0, min(1.0, 1.0 - delta.get("zero_variance_groups", 0.0) / groups))
+            solve = self.pending_correct / self.pending_samples if self.pending_samples > 0 else 0.0
+            solve = max(0.0, min(1.0, solve))
+            for _ in range(min(groups, window)):
+                self.groups.append((varied, solve))
+            while len(self.groups) > window:
+                self.groups.popleft()
+            self.groups_seen += groups
+            self.pending_samples = self.pending_correct = 0.0
+
+    def solve_rate(self) -> float:
+        return sum(s for _, s in self.groups) / len(self.groups) if self.groups else 0.0
+
+    def varied_share(self) -> float:
+        return sum(v for v, _ in self.groups) / len(self.groups) if self.groups else 0.0
+
+    def progress(self) -> float:
+        """|mean solve rate of the newer half of the window - that of the older half| (0 under 2 groups)."""
+        n = len(self.groups)
+        if n < 2:
+            return 0.0
+        solves = [s for _, s in self.groups]
+        half = n // 2
+        older, newer = solves[:half], solves[n - half:]
+        return abs(sum(newer) / len(newer) - sum(older) / len(older))
+
+    def state(self) -> dict[str, Any]:
+        return {"groups": [[round(v, 4), round(s, 4)] for v, s in self.groups],
+                "pending_samples": self.pending_samples, "pending_correct": self.pending_correct,
+                "groups_seen": self.groups_seen, "verifier_errors": self.verifier_errors,
+                "error_streak": self.error_streak, "paused_until": self.paused_until, "pauses": self.pauses}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], window: int) -> "DomainWindow":
+        w = cls(groups=deque(((float(v), float(s)) for v, s in state.get("groups", [])), maxlen=None),
+                pending_samples=float(state.get("pending_samples", 0.0)),
+                pending_correct=float(state.get("pending_correct", 0.0)),
+                groups_seen=int(state.get("groups_seen", 0)), verifier_errors=int(state.get("verifier_errors", 0)),
+                error_streak=int(state.get("error_streak", 0)), pauses=int(state.get("pauses", 0)))
+        until = state.get("paused_until")
+        w.paused_until = float(until) if isinstance(until, (int, float)) else None
+        while len(w.groups) > window:
+            w.groups.popleft()
+        return w
+
+
+class DomainMixer:
+    """Sampling shares over sources: configured weights times a policy's factor, within floor and cap.
+
+    Policies (``scheduler.balance.policy``; see :class:`engine.config.BalanceConfig`):
+
+    - ``static``: the configured weights.
+    - ``zero_variance``: weight x ``max(floor, 1 - zero_variance_rate)`` of the domain's all-time groups
+      (merged over the reward actors), once it has ``min_groups`` groups: the engine's original rule.
+    - ``signal``: weight x the domain's learning signal over its last ``window`` groups:
+      ``varied x band(solve) + progress x |solve(newer half) - solve(older half)|``, at least
+      :data:`MIN_SIGNAL`; a domain with fewer than ``min_groups`` groups in its window counts as 1.
+
+    Under every policy the shares are then held within ``[floor, cap]`` per source (``share_floor``,
+    ``share_cap``, ``floors``, ``caps``), and a source whose last ``pause_after`` samples all failed in
+    the verifier is paused (share 0) for ``pause_s`` seconds, then probed again. The windows, streaks and
+    pauses are the mixer's :meth:`state` (checkpointed in the scheduler's status).
+    """
+
+    def __init__(self, weights: dict[str, float], *, floor: float = 0.1, min_groups: int = 4,
+                 policy: str = "zero_variance", window: int = 64, share_floor: float = 0.0, share_cap: float = 1.0,
+                 floors: dict[str, float] | None = None, caps: dict[str, float] | None = None,
+                 band: tuple[float, float] = (0.1, 0.9), band_min: float = 0.1, progress: float = 1.0,
+                 pause_after: int = 16, pause_s: float = 120.0, clock: Callable[[], float] = time.time) -> None:
+        for name, w in weights.items():
+            if not w >= 0:
+                raise ValueError(f"domain weight of {name!r} is {w}: weights must be non-negative")
+        if weights and sum(weights.values()) <= 0:
+            raise ValueError(f"domain weights {weights} are all 0: nothing would be sampled")
+        if policy not in BALANCE_POLICIES:
+            raise ValueError(f"balance policy {policy!r} is not one of {', '.join(BALANCE_POLICIES)}")
         self.base = dict(weights)
         self.floor = floor
         self.min_groups = min_groups
+        self.policy = policy
+        self.window = window
+        self.share_floor, self.share_cap = share_floor, share_cap
+        self.floors, self.caps = dict(floors or {}), dict(caps or {})
+        for name in [*self.floors, *self.caps]:
+            if name not in self.base:
+                raise ValueError(f"balance floor/cap names {name!r}, not a source (sources: {sorted(self.base)})")
+        for name in self.base:
+            if self._floor(name) > self._cap(name):
+                raise ValueError(f"balance floor {self._floor(name)} of {name!r} is above its cap {self._cap(name)}")
+        self.band, self.band_min, self.progress_weight = band, band_min, progress
+        self.pause_after, self.pause_s = pause_after, pause_s
+        self.clock = clock
         self._factor = {name: 1.0 for name in weights}
+        self.windows: dict[str, DomainWindow] = {name: DomainWindow() for name in weights}
 
+    @classmethod
+    def from_config(cls, weights: dict[str, float], cfg: SchedulerConfig, *,
+                    clock: Callable[[], float] = time.time) -> "DomainMixer":
+        b = cfg.balance
+        return cls(weights, policy=cfg.balance_policy, min_groups=b.min_groups, window=b.window,
+                   share_floor=b.floor, share_cap=b.cap, floors=b.floors, caps=b.caps, band=b.band,
+                   band_min=b.band_min, progress=b.progress, pause_after=b.pause_after, pause_s=b.pause_s,
+                   clock=clock)
+
+    def _floor(self, name: str) -> float:
+        return self.floors.get(name, self.share_floor)
+
+    def _cap(self, name: str) -> float:
+        return self.caps.get(name, self.share_cap)
+
+    # -- observations ----------------------------------------------------------------------------
     def rebalance(self, name: str, stats: dict[str, Any]) -> None:
-        """Scale ``name``'s weight by ``1 - zero_variance_rate`` (at least ``floor``) once it has enough groups."""
-        if name in self._factor and int(stats.get("groups", 0)) >= self.min_groups:
+        """``zero_variance``: scale ``name``'s weight by ``1 - zero_variance_rate`` (at least ``floor``) of
+        its all-time statistics once it has ``min_groups`` groups; other policies ignore these."""
+        if self.policy == "zero_variance" and name in self._factor and int(stats.get("groups", 0)) >= self.min_groups:
             self._factor[name] = max(self.floor, 1.0 - float(stats.get("zero_variance_rate", 0.0)))
+
+    def observe(self, name: str, delta: Mapping[str, float]) -> None:
+        """Take what the reward actors counted for ``name``'s domain since the last snapshot (counter
+        increments: ``groups``, ``zero_variance_groups``, ``count``, ``correct_total``, ``verifier_errors``)."""
+        w = self.windows.get(name)
+        if w is None:
+            return
+        w.add(delta, self.window)
+        errors = int(round(delta.get("verifier_errors", 0.0)))
+        w.verifier_errors += errors
+        if delta.get("count", 0.0) > 0:
+            w.error_streak = 0
+            if w.paused_until is not None and self.clock() >= w.paused_until:
+                w.paused_until = None  # the probe judged samples: resumed
+        else:
+            w.error_streak += errors
+        if errors and self.pause_after and w.error_streak >= self.pause_after and not self.paused(name):
+            w.paused_until = self.clock() + self.pause_s
+            w.pauses += 1
+            log.warning("domain %s paused for %.0fs: its verifier failed on the last %d samples (%d in all); "
+                        "those samples are not trained", name, self.pause_s, w.error_streak, w.verifier_errors)
+        if self.policy == "signal":
+            self._factor[name] = self.signal(name)
+
+    def band_factor(self, solve: float) -> float:
+        """1 inside ``band``, falling linearly to ``band_min`` at solve rate 0 and 1."""
+        lo, hi = self.band
+        if solve < lo:
+            return self.band_min + (1.0 - self.band_min) * solve / lo
+        if solve > hi:
+            return self.band_min + (1.0 - self.band_min) * (1.0 - solve) / (1.0 - hi)
+        return 1.0
+
+    def signal(self, name: str) -> float:
+        """The ``signal`` policy's factor of ``name`` (1 until its window holds ``min_groups`` groups)."""
+        w = self.windows[name]
+        if len(w.groups) < self.min_groups:
+            return 1.0
+        score = w.varied_share() * self.band_factor(w.solve_rate()) + self.progress_weight * w.progress()
+        return max(MIN_SIGNAL, score)
+
+    def paused(self, name: str) -> bool:
+        w = self.windows.get(name)
+        return w is not None and w.paused_until is not None and self.clock() < w.paused_until
 
     def remove(self, name: str) -> None:
         """Stop sampling ``name`` (its source is exhausted)."""
         self.base.pop(name, None)
         self._factor.pop(name, None)
 
+    # -- shares ----------------------------------------------------------------------------------
     @property
     def weights(self) -> dict[str, float]:
-        """Current normalised weights (empty when every source is removed)."""
-        raw = {n: w * self._factor[n] for n, w in self.base.items()}
-        total = sum(raw.values())
-        return {n: w / total for n, w in raw.items()} if total > 0 else {}
+        """Current sampling shares (sum 1; empty when every source is removed)."""
+        live = {n: w * (self._factor[n] if self.policy != "static" else 1.0)
+                for n, w in self.base.items() if w > 0}
+        if not live:
+            return {}
+        active = {n: w for n, w in live.items() if not self.paused(n)}
+        if not active:  # everything paused: sampling nothing would read as "every source exhausted"
+            active = live
+        shares = self._bounded(active)
+        return {n: shares.get(n, 0.0) for n in self.base}
+
+    def _bounded(self, raw: dict[str, float]) -> dict[str, float]:
+        """``raw`` normalised, then held within each source's floor and cap (mass moved to/from the rest)."""
+        fixed: dict[str, float] = {}
+        while True:
+            free = {n: w for n, w in raw.items() if n not in fixed}
+            mass = 1.0 - sum(fixed.values())
+            total = sum(free.values())
+            if not free or total <= 0:
+                break
+            shares = {n: w / total * mass for n, w in free.items()}
+            over = {n: self._cap(n) for n, s in shares.items() if s > self._cap(n) + 1e-12}
+            under = {n: self._floor(n) for n, s in shares.items() if s < self._floor(n) - 1e-12}
+            if over:
+                fixed.update(over)
+            elif under:
+                fixed.update(under)
+            else:
+                fixed.update(shares)
+                break
+        total = sum(fixed.values())
+        return {n: s / total for n, s in fixed.items()} if total > 0 else {}
 
     def pick(self, rng: random.Random) -> str | None:
-        weights = self.weights
+        weights = {n: w for n, w in self.weights.items() if w > 0}
         if not weights:
             return None
         names = sorted(weights)
         return rng.choices(names, weights=[weights[n] for n in names])[0]
+
+    # -- state -----------------------------------------------------------------------------------
+    def view(self) -> dict[str, dict[str, Any]]:
+        """Per source what the status shows: share, factor, window figures, pauses."""
+        shares = self.weights
+        out: dict[str, dict[str, Any]] = {}
+        for name, w in self.windows.items():
+            out[name] = {"share": round(shares.get(name, 0.0), 4), "factor": round(self._factor.get(name, 0.0), 4),
+                         "window_groups": len(w.groups), "varied": round(w.varied_share(), 4),
+                         "solve": round(w.solve_rate(), 4), "progress": round(w.progress(), 4),
+                         "groups_seen": w.groups_seen, "verifier_errors": w.verifier_errors,
+                         "paused": self.paused(name), "pauses": w.pauses}
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """The JSON-able state a restarted scheduler resumes from (:meth:`restore`)."""
+        return {"policy": self.policy, "factor": dict(self._factor),
+                "windows": {n: w.state() for n, w in self.windows.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take back :meth:`state` (sources it does not name keep theirs; a factor of another policy is not reused)."""
+        for name, w in dict(state.get("windows", {})).items():
+            if name in self.windows:
+                self.windows[name] = DomainWindow.from_state(w, self.window)
+        if state.get("policy") == self.policy:
+            for name, f in dict(state.get("factor", {})).items():
+                if name in self._factor:
+                    self._factor[name] = float(f)
+        elif self.policy == "signal":
+            for name in self._factor:
+                self._factor[name] = self.signal(name)
 
 
 class Curriculum:
@@ -382,7 +710,9 @@ class SchedulerActor(Actor):
                                  "and scheduler.published_tasks is off)")
         self.sources = {s.name: s for s in sources}
         file_weights = {f"file:{Path(p).name}": w for p, w in cfg.task_files.items()}
-        self.mixer = DomainMixer({n: file_weights.get(n, cfg.domains.get(n, 1.0)) for n in self.sources})
+        self.mixer = DomainMixer.from_config({n: file_weights.get(n, cfg.domains.get(n, 1.0)) for n in self.sources},
+                                             cfg)
+        self.reward_stats = RewardStatsMerger()
         self.curriculum = Curriculum()
         self.length_curriculum = length_curriculum(cfg)
         self.fixed_difficulty = fixed_difficulty
@@ -416,6 +746,10 @@ class SchedulerActor(Actor):
                 if isinstance(source, TaskFileSource):
                     source.position = int(position)
             self._tasks_offsets = {int(p): int(o) for p, o in status.get("tasks_offsets", {}).items()}
+            balance = status.get("balance_state")
+            if isinstance(balance, dict):
+                self.mixer.restore(balance.get("mixer", {}))
+                self.reward_stats.restore(balance.get("reward_stats", {}))
             log.info("%s: resuming at %d tasks / %d samples admitted", self.name, self.tasks_admitted,
                      self.admitted_samples)
         await self._skip_issued_rows()
@@ -613,21 +947,32 @@ class SchedulerActor(Actor):
     async def _watch_stats(self) -> None:
         async for raw in self.rt.require_nats().kv_watch(self._bucket, REWARD_STATS_KEY):
             try:
-                domains = json.loads(raw).get("domains", {})
-            except (ValueError, AttributeError) as exc:
+                snapshot = json.loads(raw)
+                if not isinstance(snapshot, dict):
+                    raise ValueError("not a JSON object")
+                self.apply_snapshot(snapshot)
+            except (ValueError, AttributeError, TypeError) as exc:
                 log.warning("%s: ignoring unreadable reward statistics: %s", self.name, exc)
                 continue
-            self.apply_stats(domains)
             self._notify()
 
+    def apply_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Take one reward actor's statistics snapshot: its increments feed the balancing windows, and the
+        totals merged over every reward actor feed ``zero_variance`` and the curriculum."""
+        deltas = self.reward_stats.add(snapshot)
+        for source in self.sources.values():
+            delta = deltas.get(source.domain or "")
+            if delta:
+                self.mixer.observe(source.name, delta)
+        self.apply_stats(self.reward_stats.merged())
+
     def apply_stats(self, domains: dict[str, dict[str, Any]]) -> None:
-        """Rebalance weights and move the curriculum from per-domain statistics."""
+        """Rebalance weights (``zero_variance``) and move the curriculum from per-domain totals."""
         for source in self.sources.values():
             stats = domains.get(source.domain or "")
             if not stats:
                 continue
-            if self.cfg.rebalance:
-                self.mixer.rebalance(source.name, stats)
+            self.mixer.rebalance(source.name, stats)
             if self.cfg.curriculum and source.domain:
                 self._curriculum_for(source.domain).observe(source.domain, int(stats.get("count", 0)),
                                                              float(stats.get("success", 0.0)))
@@ -655,9 +1000,13 @@ class SchedulerActor(Actor):
                 "source_positions": {n: s.position for n, s in self.sources.items() if isinstance(s, TaskFileSource)},
                 "tasks_offsets": {str(p): o for p, o in sorted(self._tasks_offsets.items())},
                 "published_issued": self.published_issued,
+                "balance_policy": self.mixer.policy, "balance": self.mixer.view(),
+                "balance_state": {"mixer": self.mixer.state(), "reward_stats": self.reward_stats.state()},
                 "updated_at": time.time()}
 
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()
-        stats.update(self.status(), blocked_waits=self.blocked_waits)
+        status = self.status()
+        status.pop("balance_state")  # the windows themselves: checkpoint material, not a statistic
+        stats.update(status, blocked_waits=self.blocked_waits)
         return stats

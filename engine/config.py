@@ -106,6 +106,60 @@ class LengthCurriculumConfig(Section):
     """Samples drawn at a length before its success rate is judged."""
 
 
+class BalanceConfig(Section):
+    """How the scheduler moves sampling shares between sources as the run goes (``actors/scheduler.py``
+    ``DomainMixer``; docs/domains.md "Balancing several domains").
+
+    ``static``: the configured weights. ``zero_variance``: each weight times ``max(0.1, 1 - the domain's
+    share of tied groups since the reward actors started)`` (the engine's behaviour before this section).
+    ``signal``: each weight times the domain's learning signal over its last ``window`` groups: the share of
+    groups whose rewards are not all equal, times a solve-rate band factor (1 inside ``band``, falling
+    linearly to ``band_min`` at solve rate 0 or 1), plus ``progress`` times the absolute change of the solve
+    rate between the window's older and newer half. Every policy applies ``floor`` and ``cap`` to the shares
+    and pauses a domain whose verifier fails on every sample of its last ``pause_after`` samples."""
+
+    policy: Literal["static", "zero_variance", "signal"] | None = None
+    """None: ``zero_variance`` when ``scheduler.rebalance`` is on (the default), else ``static``."""
+    window: int = Field(64, ge=2)
+    """Groups per domain the ``signal`` policy looks at (the most recent ones)."""
+    min_groups: int = Field(4, ge=1)
+    """Groups a domain needs in its window before its signal counts (before: full weight)."""
+    floor: float = Field(0.0, ge=0, le=1)
+    """Least sampling share of every source with a positive weight (0: none)."""
+    cap: float = Field(1.0, gt=0, le=1)
+    """Largest sampling share of any source (1: none)."""
+    floors: dict[str, float] = Field(default_factory=dict)
+    """Per-source floor overriding ``floor`` (a name of ``scheduler.domains``)."""
+    caps: dict[str, float] = Field(default_factory=dict)
+    """Per-source cap overriding ``cap`` (a name of ``scheduler.domains``)."""
+    band: tuple[float, float] = (0.1, 0.9)
+    """Solve rates that get the full band factor under ``signal``."""
+    band_min: float = Field(0.1, ge=0, le=1)
+    """Band factor at solve rate 0 and 1 (a domain never solved or always solved)."""
+    progress: float = Field(1.0, ge=0)
+    """Weight of learning progress (|newer-half minus older-half solve rate|) in the ``signal`` score."""
+    pause_after: int = Field(16, ge=0)
+    """Pause a domain once its last this-many samples all failed in the verifier (0: never pause)."""
+    pause_s: float = Field(120.0, gt=0)
+    """A paused domain is tried again (a probe) after this long."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "BalanceConfig":
+        lo, hi = self.band
+        if not 0 <= lo < hi <= 1:
+            raise ValueError(f"scheduler.balance.band = [{lo}, {hi}]: need 0 <= low < high <= 1")
+        for field, values in (("floors", self.floors), ("caps", self.caps)):
+            for name, v in values.items():
+                if not 0 <= v <= 1:
+                    raise ValueError(f"scheduler.balance.{field}.{name} = {v}: a share in [0, 1]")
+        for name in set(self.floors) | set(self.caps) | {""}:
+            floor, cap = self.floors.get(name, self.floor), self.caps.get(name, self.cap)
+            if floor > cap:
+                where = f" of {name!r}" if name else ""
+                raise ValueError(f"scheduler.balance: floor{where} {floor} is above its cap {cap}")
+        return self
+
+
 class SchedulerConfig(Section):
     domains: dict[str, float] = Field(default_factory=lambda: {"arith": 1.0})
     """Domain name -> sampling weight (normalised)."""
@@ -118,7 +172,10 @@ class SchedulerConfig(Section):
     seed: int = 0
     """Seed of the task generators and domain sampling."""
     rebalance: bool = True
-    """Re-weight domains from observed statistics (zero-variance groups, throughput)."""
+    """Re-weight domains from observed statistics: shorthand for ``balance.policy = "zero_variance"``
+    (off: ``"static"``); ``balance.policy``, when set, wins."""
+    balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    """Dynamic balancing of the sampling shares (policy, window, floor and cap; see ``BalanceConfig``)."""
     curriculum: bool = True
     """Admit short/easy tasks first and lengthen with the observed success rate."""
     length_curriculum: LengthCurriculumConfig | None = None
@@ -136,6 +193,38 @@ class SchedulerConfig(Section):
     """This scheduler's index among ``replicas``: it issues task-file rows replica, replica+n, ..."""
     replicas: int = Field(1, ge=1)
     """How many scheduler replicas share the ``task_files``."""
+
+    @property
+    def balance_policy(self) -> str:
+        """The balancing policy in force (``balance.policy``, else what ``rebalance`` says)."""
+        if self.balance.policy is not None:
+            return self.balance.policy
+        return "zero_variance" if self.rebalance else "static"
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> "SchedulerConfig":
+        for field, weights in (("domains", self.domains), ("task_files", self.task_files)):
+            for name, w in weights.items():
+                if not w >= 0:
+                    raise ValueError(f"scheduler.{field}.{name} = {w}: a weight must be non-negative")
+            if weights and sum(weights.values()) <= 0:
+                raise ValueError(f"scheduler.{field}: every weight is 0 (nothing would be sampled)")
+        sources = set(self.domains) if not self.task_files else {f"file:{Path(p).name}" for p in self.task_files}
+        for field in ("floors", "caps"):
+            for name in getattr(self.balance, field):
+                if name not in sources:
+                    raise ValueError(f"scheduler.balance.{field}.{name}: not a source of this scheduler "
+                                     f"(sources: {sorted(sources)})")
+        live = [n for n, w in (self.domains if not self.task_files else
+                               {f"file:{Path(p).name}": w for p, w in self.task_files.items()}).items() if w > 0]
+        if live:
+            floors = sum(self.balance.floors.get(n, self.balance.floor) for n in live)
+            caps = sum(self.balance.caps.get(n, self.balance.cap) for n in live)
+            if floors > 1 + 1e-9:
+                raise ValueError(f"scheduler.balance: the floors of {len(live)} sources sum to {floors:g} > 1")
+            if caps < 1 - 1e-9:
+                raise ValueError(f"scheduler.balance: the caps of {len(live)} sources sum to {caps:g} < 1")
+        return self
 
 
 def _inference_backend(name: str) -> Any:
@@ -395,6 +484,14 @@ class LearnerConfig(Section):
     """Run the transformer body under bf16 autocast (the output projection and log-softmax stay fp32)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
+    loss_weighting: Literal["token_mean", "sequence_mean", "domain_mean"] = "token_mean"
+    """How a step's tokens weigh in its loss: ``token_mean`` (every trained token alike: a domain's share of
+    the update follows its token count), ``sequence_mean`` (each sample's tokens averaged, then samples
+    alike), ``domain_mean`` (each domain's tokens averaged within the domain, the domains weighted by their
+    share of the step's samples: a domain's share of the update follows its sampling share)."""
+    domain_grad_norms: bool = False
+    """Debug: measure each domain's gradient norm exactly (one extra forward and backward pass per domain
+    in the step); off, the per-domain ``grad_share`` is the share of sum |A| x loss weight (an estimate)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL estimator to the reference policy (the initial weights) added to the loss;
     0 disables it (and the reference model's memory and forward pass)."""
