@@ -94,11 +94,12 @@ def test_chat_completion_with_tools(server_url: str) -> None:
     assert json.loads(raw)["usage"]["prompt_tokens"] < body["usage"]["prompt_tokens"]
 
 
-CALLED = [*MESSAGES,
-          {"role": "assistant", "content": None, "tool_calls": [
-              {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}]},
-          {"role": "tool", "tool_call_id": "call_1", "name": "run_tests",
-           "content": "FAILED test_lib.py::test_visible_0: AssertionError\nSUMMARY passed=2 failed=1"}]
+CALLED: list[dict[str, Any]] = [
+    *MESSAGES,
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "run_tests",
+     "content": "FAILED test_lib.py::test_visible_0: AssertionError\nSUMMARY passed=2 failed=1"}]
 
 
 def test_a_conversation_with_tool_calls_and_results_renders_as_training_renders_it(
