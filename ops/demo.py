@@ -165,9 +165,10 @@ def demonstrations(n: int, seed: int) -> list[tuple[str, str]]:
     """(prompt, completion) pairs from every domain, multi-turn ones in the inference actor's format."""
     rng = random.Random(f"sft:{seed}")
     out = []
-    # generated, trainable domains; long documents (1k-8k tokens) are past the char model's context
-    names = sorted(name for name in DOMAINS
-                   if DOMAINS[name].trainable and "long-context" not in DOMAINS[name].tags)
+    # the project's own generated domains (plugins, families and task-file domains have their own data); long
+    # documents (1k-8k tokens) are past the char model's context
+    names = sorted(name for name in DOMAINS if DOMAINS[name].source == "generator" and DOMAINS[name].trainable
+                   and "long-context" not in DOMAINS[name].tags)
     for i in range(n):
         domain = DOMAINS[names[i % len(names)]]
         prompt, ideal = domain.demonstrate(rng, rng.random() * 0.3)
