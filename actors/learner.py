@@ -21,7 +21,9 @@
 - Step log: ``<checkpoint_dir>/<namespace>/steps.jsonl`` gets one line per step: ``step``, ``t`` (seconds
   since this learner actor was made), ``wall`` (Unix time), ``version``, ``trained``, ``reward_trained``
   (mean reward of the trained samples), ``reward_all`` (mean reward of every sample folded into the step,
-  trained and filtered: what a synchronous loop would call its batch reward) and the step's metrics.
+  trained and filtered: what a synchronous loop would call its batch reward), the step's metrics and
+  ``domains``: per domain of the trained batch, samples, tokens, reward, adv_abs, loss_weight, grad_share
+  (``actors.learner_core.domain_report``; also the actor's ``step_domains`` statistic).
 - ``learner.simulate``: the step only waits a SIMULATED time and publications wait a simulated transfer
   time (``actors/learner_sim.py``); the tiny built-in model is what is checkpointed and published, and the
   status, step lines and logs say ``simulated``.
@@ -282,10 +284,13 @@ class LearnerActor(Actor):
         """Append the step's line to ``steps.jsonl`` (see the module docstring)."""
         trained = [o.reward for o in offered if o.verdict == "train"]
         folded = [o.reward for o in offered if o.verdict in ("train", "filtered")]
-        row = {"step": report.step, "t": round(time.monotonic() - self._made, 3), "wall": round(time.time(), 3),
-               "version": report.version, "trained": len(report.trained),
-               "reward_trained": sum(trained) / len(trained) if trained else None,
-               "reward_all": sum(folded) / len(folded) if folded else None, **report.metrics}
+        row: dict[str, Any] = {"step": report.step, "t": round(time.monotonic() - self._made, 3),
+                               "wall": round(time.time(), 3),
+                               "version": report.version, "trained": len(report.trained),
+                               "reward_trained": sum(trained) / len(trained) if trained else None,
+                               "reward_all": sum(folded) / len(folded) if folded else None, **report.metrics}
+        if report.domains:
+            row["domains"] = {d: {k: round(v, 6) for k, v in figures.items()} for d, figures in report.domains.items()}
         self.steps_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.steps_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -407,6 +412,7 @@ class LearnerActor(Actor):
         if self.learner is not None:
             stats.update(self.learner.statistics())
         stats.update(published_version=self.published_version, metrics=dict(self.last_metrics),
+                     step_domains=dict(self.learner.last_domains) if self.learner is not None else {},
                      checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
                      resumed_from=str(self.resumed_from) if self.resumed_from else None)
         if self.consumer is not None:

@@ -442,8 +442,9 @@ def _policy_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch
 
 def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, *, objective: str, tis_cap: float,
-                clip_eps: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-level policy-gradient loss, mean over loss-masked tokens.
+                clip_eps: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level policy-gradient loss, mean over loss-masked tokens (or, given per-token ``weights``
+    such as :func:`token_weights` makes, the weighted sum ``sum(weights * per-token loss)``).
 
     - ``tis``: ``-min(pi_prox / pi_behav, tis_cap) * A * log pi_theta``.
     - ``decoupled_ppo`` (AReaL): ``min(pi_prox / pi_behav, tis_cap) * max(-A * r, -A * clip(r, 1-eps, 1+eps))``
@@ -461,7 +462,90 @@ def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.T
         stats["clip_frac"] = sums["clipped"] / n_tok
         stats["ratio_mean"] = sums["ratio"] / n_tok
     stats["tokens"] = sums["tokens"]
+    if weights is not None:
+        return (per_tok * weights).sum(), stats
     return per_tok.sum() / n_tok, stats
+
+
+# -- loss weighting ----------------------------------------------------------------------------------
+
+LOSS_WEIGHTINGS = ("token_mean", "sequence_mean", "domain_mean")
+"""How a step's trained tokens weigh in its loss (``learner.loss_weighting``)."""
+
+
+def sample_loss_weights(domains: Sequence[str], tokens: Sequence[float], weighting: str) -> list[float]:
+    """The loss weight of each trained token of each sample, so that ``sum_i weight_i * tokens_i == 1``
+    over the samples with tokens (0 for a sample without any).
+
+    - ``token_mean``: ``1 / N`` (N: the step's trained tokens): a domain weighs by its tokens.
+    - ``sequence_mean``: ``1 / (B * n_i)`` (B: samples with tokens): each sample weighs alike.
+    - ``domain_mean``: ``(S_d / B) / T_d`` (S_d samples and T_d tokens of the sample's domain d): tokens are
+      averaged within their domain, and each domain weighs by its share of the step's samples.
+    """
+    if weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"learner.loss_weighting {weighting!r} is not one of {', '.join(LOSS_WEIGHTINGS)}")
+    live = [i for i, n in enumerate(tokens) if n > 0]
+    out = [0.0] * len(tokens)
+    if not live:
+        return out
+    if weighting == "token_mean":
+        total = sum(tokens[i] for i in live)
+        for i in live:
+            out[i] = 1.0 / total
+    elif weighting == "sequence_mean":
+        for i in live:
+            out[i] = 1.0 / (len(live) * tokens[i])
+    else:
+        samples: dict[str, int] = {}
+        domain_tokens: dict[str, float] = {}
+        for i in live:
+            samples[domains[i]] = samples.get(domains[i], 0) + 1
+            domain_tokens[domains[i]] = domain_tokens.get(domains[i], 0.0) + tokens[i]
+        for i in live:
+            d = domains[i]
+            out[i] = samples[d] / len(live) / domain_tokens[d]
+    return out
+
+
+def trained_tokens(samples: Sequence[Experience], micro_batches: Sequence["Packed"]) -> list[float]:
+    """Loss-masked (trained) tokens of each sample, as packed."""
+    counts = torch.zeros(len(samples), dtype=torch.float64)
+    for mb in micro_batches:
+        counts.index_add_(0, mb.sample_index, mb.loss_mask.to(torch.float64))
+    return [float(c) for c in counts]
+
+
+def token_weights(micro_batch: "Packed", sample_weights: torch.Tensor) -> torch.Tensor:
+    """Per-token loss weights [N] of a packed micro-batch from its samples' weights (0 off the loss mask)."""
+    return sample_weights[micro_batch.sample_index] * micro_batch.loss_mask.to(sample_weights.dtype)
+
+
+def domain_report(samples: Sequence[Experience], tokens: Sequence[float] | None = None,
+                  weights: Sequence[float] | None = None) -> dict[str, dict[str, float]]:
+    """Per domain of a step: ``samples``, ``tokens`` (trained), ``reward`` and ``adv_abs`` (means),
+    ``loss_weight`` (the domain's share of the loss's total token weight: 1 over all domains) and
+    ``grad_share`` (estimated: its share of ``sum |A| x weight x tokens``). Without ``tokens`` (a simulated
+    step), the response lengths; without ``weights``, a token mean."""
+    if tokens is None:
+        tokens = [float(len(s.response_ids)) for s in samples]
+    if weights is None:
+        weights = sample_loss_weights([s.domain for s in samples], tokens, "token_mean")
+    out: dict[str, dict[str, float]] = {}
+    for s, n, w in zip(samples, tokens, weights):
+        d = out.setdefault(s.domain, {"samples": 0.0, "tokens": 0.0, "reward": 0.0, "adv_abs": 0.0,
+                                      "loss_weight": 0.0, "grad_share": 0.0})
+        d["samples"] += 1
+        d["tokens"] += n
+        d["reward"] += float(s.reward)
+        d["adv_abs"] += abs(float(s.advantage))
+        d["loss_weight"] += w * n
+        d["grad_share"] += abs(float(s.advantage)) * w * n
+    grad_total = sum(d["grad_share"] for d in out.values())
+    for d in out.values():
+        d["reward"] /= d["samples"]
+        d["adv_abs"] /= d["samples"]
+        d["grad_share"] = d["grad_share"] / grad_total if grad_total > 0 else 0.0
+    return out
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -497,6 +581,9 @@ class StepReport:
     publish: bool
     """Whether this step completes a publication interval (the version went up)."""
     metrics: dict[str, float]
+    domains: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Per domain of the trained batch: samples, tokens, reward, adv_abs, loss_weight, grad_share (and
+    grad_norm with ``learner.domain_grad_norms``); see :func:`domain_report`."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -535,6 +622,8 @@ class Learner:
         self.seen = SeenIds(max_seen_ids)
         self.offsets: dict[Source, int] = {}
         self._pending = _Pending()
+        self.last_domains: dict[str, dict[str, float]] = {}
+        """Per-domain figures of the last step (:func:`domain_report`)."""
 
     # -- feeding -----------------------------------------------------------------------------------
     def staleness(self, exp: Experience) -> int:
@@ -589,18 +678,28 @@ class Learner:
     def train_on(self, samples: Sequence[Experience]) -> dict[str, float]:
         """One optimizer step on ``samples`` (no bookkeeping); returns the step's metrics.
 
-        The samples are packed (``pack``) into micro-batches under ``micro_batch_tokens``; each one's
-        loss is its token sum divided by the whole step's loss-masked token count, so the accumulated
-        gradient is exactly that of one big batch's token mean.
+        The samples are packed (``pack``) into micro-batches under ``micro_batch_tokens``; each token's
+        loss is weighted by ``learner.loss_weighting`` (:func:`sample_loss_weights`: with ``token_mean``,
+        divided by the whole step's loss-masked token count), so the accumulated gradient is exactly that
+        of one big batch. Per-domain figures of the step are left in ``last_domains``.
         """
         cfg = self.cfg
         mbs = pack(samples, micro_batch_tokens=cfg.micro_batch_tokens, share_prefix=cfg.share_prefix,
                    pad_id=self.pad_id)
-        n_total = max(sum(float(mb.loss_mask.sum()) for mb in mbs), 1.0)
+        tokens = trained_tokens(samples, mbs)
+        weights = sample_loss_weights([s.domain for s in samples], tokens, cfg.loss_weighting)
+        sample_w = torch.tensor(weights, dtype=torch.float32)
+        self.last_domains = domain_report(samples, tokens, weights)
         sums = _Sums()
-        self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         try:
+            if cfg.domain_grad_norms and len(self.last_domains) > 1:
+                for domain, norm in self._domain_grad_norms(samples, mbs, sample_w).items():
+                    self.last_domains[domain]["grad_norm"] = norm
+                total = sum(d["grad_norm"] for d in self.last_domains.values())
+                for d in self.last_domains.values():
+                    d["grad_share"] = d["grad_norm"] / total if total > 0 else 0.0
+            self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
                 logp, entropy = packed_logprobs(self.model, mb, chunk=cfg.logprob_chunk,
                                                 autocast=cfg.autocast == "bf16")
@@ -609,10 +708,11 @@ class Learner:
                 per_tok, terms = _policy_terms(logp, logp.detach(), mb.behav_logp, mb.advantages, mb.loss_mask,
                                                objective=cfg.objective, tis_cap=cfg.tis_cap, clip_eps=cfg.clip_eps)
                 m = mb.loss_mask.to(logp.dtype)
-                loss = per_tok.sum() / n_total
+                w_tok = token_weights(mb, sample_w).to(logp.dtype)
+                loss = (per_tok * w_tok).sum()
                 if cfg.kl_coef > 0:
                     kl = k3_kl(logp, self._reference_logprobs(mb)) * m
-                    loss = loss + cfg.kl_coef * kl.sum() / n_total
+                    loss = loss + cfg.kl_coef * (kl * w_tok).sum()
                     sums.kl_ref += float(kl.detach().sum())
                 if loss.requires_grad:
                     loss.backward()
@@ -638,6 +738,30 @@ class Learner:
         if cfg.kl_coef > 0:
             stats["kl_ref"] = sums.kl_ref / n
         return stats
+
+    def _domain_grad_norms(self, samples: Sequence[Experience], mbs: Sequence[Packed],
+                           sample_w: torch.Tensor) -> dict[str, float]:
+        """Debug (``learner.domain_grad_norms``): the norm of each domain's part of the step's policy loss
+        gradient, exactly: one extra forward and backward pass per domain (gradients discarded after)."""
+        cfg = self.cfg
+        norms: dict[str, float] = {}
+        for domain in sorted({s.domain for s in samples}):
+            in_domain = torch.tensor([s.domain == domain for s in samples], dtype=torch.float32)
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in mbs:
+                w_tok = token_weights(mb, sample_w * in_domain)
+                if not bool((w_tok > 0).any()):
+                    continue
+                logp, _ = packed_logprobs(self.model, mb, chunk=cfg.logprob_chunk, autocast=cfg.autocast == "bf16")
+                per_tok, _ = _policy_terms(logp, logp.detach(), mb.behav_logp, mb.advantages, mb.loss_mask,
+                                           objective=cfg.objective, tis_cap=cfg.tis_cap, clip_eps=cfg.clip_eps)
+                loss = (per_tok * w_tok.to(logp.dtype)).sum()
+                if loss.requires_grad:
+                    loss.backward()
+            grads = [p.grad.detach().float().norm() for p in self.params if p.grad is not None]
+            norms[domain] = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        return norms
 
     def _reference_logprobs(self, mb: Packed) -> torch.Tensor:
         """Logprobs of a micro-batch's tokens under the reference policy (no grad)."""
@@ -683,11 +807,14 @@ class Learner:
                                f"{len(self._pending.train)} pending")
         pending, self._pending = self._pending, _Pending()
         judged_at = self.version
+        self.last_domains = {}
         try:
             metrics = self.train_on(pending.train)
         except BaseException:
             self._pending = pending
             raise
+        if not self.last_domains:  # a train_on that does not measure them (the simulated step)
+            self.last_domains = domain_report(pending.train)
         self.step_count += 1
         publish = self.step_count % self.cfg.publish_every == 0
         if publish:
@@ -703,7 +830,7 @@ class Learner:
         return StepReport(step=self.step_count, version=judged_at, trained=tuple(by_verdict["train"]),
                           dropped_stale=tuple(by_verdict["dropped_stale"]), filtered=tuple(by_verdict["filtered"]),
                           duplicates=pending.ledger.duplicates, offsets=dict(self.offsets), publish=publish,
-                          metrics=metrics)
+                          metrics=metrics, domains=self.last_domains)
 
     # -- state -------------------------------------------------------------------------------------
     def progress(self) -> dict[str, Any]:
