@@ -38,6 +38,7 @@ VERSION_KEYS = ("weight_version", "version", "published_version", "learner_versi
 """Statistics naming a weight version, by preference (inference, learner, scheduler)."""
 
 SHOWN_KEYS = frozenset({"role", "name", "alive", "restarts", "uptime_s", "in_flight", "lag", "domains",
+                        "balance", "step_domains",
                         *RATE_KEYS, *VERSION_KEYS})
 """Statistics the table shows in its own columns; the rest go to the details section."""
 
@@ -130,6 +131,8 @@ class Board:
         """A JSON-able view: instances (sorted by role, instance, name) and merged rewards per domain."""
         instances = []
         reward_domains = []
+        balance: dict[str, Any] = {}
+        learner_domains: dict[str, Any] = {}
         for (instance, name), t in sorted(self._tracks.items(), key=lambda kv: (kv[1].role, kv[0])):
             stats = t.last.stats
             seen = max(0.0, now - t.last.received_at)
@@ -145,9 +148,15 @@ class Board:
             })
             if isinstance(stats.get("domains"), dict):
                 reward_domains.append(stats["domains"])
+            if isinstance(stats.get("balance"), dict) and stats["balance"]:
+                # each scheduler replica mixes its own sources: the table shows them all, by source
+                balance.update({k: {**v, "policy": stats.get("balance_policy", "")}
+                                for k, v in stats["balance"].items() if isinstance(v, dict)})
+            if isinstance(stats.get("step_domains"), dict) and stats["step_domains"]:
+                learner_domains = stats["step_domains"]
         return {"at": time.time(), "interval_s": self.interval_s, "instances": instances,
-                "rewards": merge_rewards(reward_domains), "heartbeats": self.received,
-                "undecodable": self.undecodable}
+                "rewards": merge_rewards(reward_domains), "balance": balance, "learner_domains": learner_domains,
+                "heartbeats": self.received, "undecodable": self.undecodable}
 
 
 # -- rendering ---------------------------------------------------------------------------------------
@@ -243,6 +252,30 @@ def render(snapshot: dict[str, Any], *, width: int = 120, color: bool = False, t
             lines.append(f"{domain[:20]:<20} {format_number(r['count']):>8} {r['mean']:>8.3f} "
                          f"{r['success']:>8.1%} {r['zero_variance_rate']:>9.1%}"[:width])
 
+    balance = snapshot.get("balance") or {}
+    if balance:
+        policies = sorted({str(b.get("policy", "")) for b in balance.values()} - {""})
+        header = (f"{'SAMPLING BY DOMAIN':<20} {'SHARE':>7} {'FACTOR':>7} {'VARIED':>7} {'SOLVE':>7} "
+                  f"{'PROGRESS':>8} {'GROUPS':>7} {'ERRORS':>7}  STATE  (policy {', '.join(policies)})")
+        lines += ["", paint(header[:width], _BOLD)]
+        for domain, b in sorted(balance.items()):
+            state = f"paused ({b.get('pauses', 0)}x)" if b.get("paused") else (
+                f"ok ({b.get('pauses')} pauses)" if b.get("pauses") else "ok")
+            row = (f"{domain[:20]:<20} {_pct(b.get('share')):>7} {format_number(b.get('factor')):>7} "
+                   f"{_pct(b.get('varied')):>7} {_pct(b.get('solve')):>7} {format_number(b.get('progress')):>8} "
+                   f"{format_number(b.get('window_groups')):>7} {format_number(b.get('verifier_errors')):>7}  {state}")
+            lines.append(paint(row[:width], _YELLOW) if b.get("paused") else row[:width])
+    learner_domains = snapshot.get("learner_domains") or {}
+    if learner_domains:
+        lines += ["", paint(f"{'LAST STEP BY DOMAIN':<20} {'SAMPLES':>8} {'TOKENS':>8} {'REWARD':>8} {'|ADV|':>8} "
+                            f"{'LOSS-W':>8} {'GRAD':>8}", _BOLD)]
+        for domain, d in sorted(learner_domains.items()):
+            if isinstance(d, dict):
+                lines.append(f"{domain[:20]:<20} {format_number(d.get('samples')):>8} "
+                             f"{format_number(d.get('tokens')):>8} {format_number(d.get('reward')):>8} "
+                             f"{format_number(d.get('adv_abs')):>8} {_pct(d.get('loss_weight')):>8} "
+                             f"{_pct(d.get('grad_share')):>8}"[:width])
+
     details = []
     for i in instances:
         rest = {k: v for k, v in flatten({k: v for k, v in i["stats"].items() if k not in SHOWN_KEYS}).items()
@@ -254,6 +287,10 @@ def render(snapshot: dict[str, Any], *, width: int = 120, color: bool = False, t
         lines += ["", paint("DETAILS", _BOLD)]
         lines += [d if len(d) <= width else d[:width - 1] + "…" for d in details]
     return "\n".join(lines)
+
+
+def _pct(value: Any) -> str:
+    return f"{float(value):.1%}" if _is_number(value) else "-"
 
 
 def _is_number(value: Any) -> TypeGuard[int | float]:

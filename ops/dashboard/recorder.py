@@ -21,7 +21,9 @@ Which statistic feeds which chart (:func:`gauges`, :func:`counters`):
   records in flight in the sandbox actors;
 - ``lag``: consumer lag (uncommitted records) and records in flight per actor;
 - ``learner``: the last optimizer step's policy entropy, KL to the reference (k3), clip fraction
-  and gradient norm (the learner's ``metrics``).
+  and gradient norm (the learner's ``metrics``);
+- ``balance``: each domain's sampling share (the scheduler's ``balance``: 0 while paused) and its share of
+  the last step's gradient (``grad <domain>``: the learner's ``step_domains``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ CHARTS = (
     Chart("sandbox", "Sandbox use", "sandboxes / records"),
     Chart("lag", "Consumer lag", "records"),
     Chart("learner", "Learner step", "nats / fraction / norm"),
+    Chart("balance", "Domain balance", "sampling share; gradient share of the last step"),
 )
 
 LEARNER_SERIES = (("entropy", "entropy"), ("kl_ref", "KL to reference"), ("clip_frac", "clip fraction"),
@@ -109,6 +112,14 @@ def gauges(stats: dict[str, dict[str, Any]]) -> list[Point]:
                     points.append(("learner", series, v))
         elif (v := _num(s.get("learner_version"))) is not None:
             learner_versions.append(v)
+        if isinstance(balance := s.get("balance"), dict):
+            for domain, b in balance.items():
+                if isinstance(b, dict) and (v := _num(b.get("share"))) is not None:
+                    points.append(("balance", str(domain), v))
+        if role == "learner" and isinstance(step_domains := s.get("step_domains"), dict):
+            for domain, d in step_domains.items():
+                if isinstance(d, dict) and (v := _num(d.get("grad_share"))) is not None:
+                    points.append(("balance", f"grad {domain}", v))
         if (v := _num(s.get("weight_version"))) is not None:
             weight_versions.append(v)
         if role.startswith("sandbox"):

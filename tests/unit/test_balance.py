@@ -201,3 +201,12 @@ async def test_the_scheduler_checkpoints_its_balancing_in_its_status() -> None:
         second.apply_snapshot({"instance": "r", "epoch": "e", "domains": {
             "arith": groups(16, varied=0, solve=1.0), "math": groups(16, varied=16, solve=0.5)}})
         assert second.mixer.view()["math"]["groups_seen"] == 16
+
+
+def test_the_dashboard_plots_sampling_and_gradient_shares() -> None:
+    from ops.dashboard.recorder import gauges
+
+    points = gauges({"scheduler": {"role": "scheduler", "balance": {"math": {"share": 0.7, "paused": False},
+                                                                    "python": {"share": 0.0, "paused": True}}},
+                     "learner": {"role": "learner", "step_domains": {"math": {"grad_share": 0.6}}}})
+    assert set(points) == {("balance", "math", 0.7), ("balance", "python", 0.0), ("balance", "grad math", 0.6)}

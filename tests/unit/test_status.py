@@ -89,3 +89,32 @@ def test_render_on_a_narrow_terminal_keeps_the_throughput() -> None:
     lines = render(board.snapshot(now=52.5), width=80).splitlines()
     assert all(len(line) <= 80 for line in lines)
     assert any("throughput: 10 samples/s 500 tok/s" in line for line in lines)
+
+
+def test_render_shows_sampling_shares_and_the_learners_domains() -> None:
+    board = Board(interval_s=2.0)
+    scheduler = {"role": "scheduler", "name": "scheduler", "uptime_s": 5.0, "alive": True, "restarts": 0,
+                 "balance_policy": "signal", "weights": {"math": 0.8, "python": 0.2},
+                 "balance": {"math": {"share": 0.8, "factor": 1.2, "window_groups": 64, "varied": 0.9, "solve": 0.45,
+                                      "progress": 0.2, "groups_seen": 300, "verifier_errors": 0, "paused": False,
+                                      "pauses": 0},
+                             "python": {"share": 0.0, "factor": 1.0, "window_groups": 0, "varied": 0.0, "solve": 0.0,
+                                        "progress": 0.0, "groups_seen": 0, "verifier_errors": 48, "paused": True,
+                                        "pauses": 1}}}
+    learner = {"role": "learner", "name": "learner", "uptime_s": 5.0, "alive": True, "restarts": 0, "step": 3,
+               "step_domains": {"math": {"samples": 12, "tokens": 300, "reward": 0.5, "adv_abs": 0.8,
+                                         "loss_weight": 0.75, "grad_share": 0.7}}}
+    board.observe("scheduler", "host-1", scheduler, sent_at=1000.0, received_at=50.0)
+    board.observe("learner", "host-1", learner, sent_at=1000.0, received_at=50.0)
+    snap = board.snapshot(now=50.5)
+    json.dumps(snap)
+    assert snap["balance"]["python"]["paused"] and snap["learner_domains"]["math"]["tokens"] == 300
+    lines = render(snap, width=120).splitlines()
+    assert any("SAMPLING BY DOMAIN" in line and "policy signal" in line for line in lines)
+    math_row = next(line for line in lines if line.startswith("math ") and "80.0%" in line)
+    assert "90.0%" in math_row and "45.0%" in math_row
+    python_row = next(line for line in lines if line.startswith("python"))
+    assert "paused (1x)" in python_row and "48" in python_row and "0.0%" in python_row
+    assert any(line.startswith("math ") and "75.0%" in line and "70.0%" in line for line in lines)
+    assert not any("balance." in line or "step_domains." in line for line in lines)  # not repeated in details
+    assert all(len(line) <= 120 for line in lines)
