@@ -308,7 +308,8 @@ class DomainMixer:
                  policy: str = "zero_variance", window: int = 64, share_floor: float = 0.0, share_cap: float = 1.0,
                  floors: dict[str, float] | None = None, caps: dict[str, float] | None = None,
                  band: tuple[float, float] = (0.1, 0.9), band_min: float = 0.1, progress: float = 1.0,
-                 pause_after: int = 16, pause_s: float = 120.0, clock: Callable[[], float] = time.time) -> None:
+                 pause_after: int = 16, pause_s: float = 120.0, regression_boost: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
         for name, w in weights.items():
             if not w >= 0:
                 raise ValueError(f"domain weight of {name!r} is {w}: weights must be non-negative")
@@ -331,6 +332,9 @@ class DomainMixer:
                 raise ValueError(f"balance floor {self._floor(name)} of {name!r} is above its cap {self._cap(name)}")
         self.band, self.band_min, self.progress_weight = band, band_min, progress
         self.pause_after, self.pause_s = pause_after, pause_s
+        self.regression_boost = regression_boost
+        self.regressed: set[str] = set()
+        """Sources whose held-out accuracy regressed (the eval role's flags): boosted under ``signal``."""
         self.clock = clock
         self._factor = {name: 1.0 for name in weights}
         self.windows: dict[str, DomainWindow] = {name: DomainWindow() for name in weights}
@@ -342,7 +346,7 @@ class DomainMixer:
         return cls(weights, policy=cfg.balance_policy, min_groups=b.min_groups, window=b.window,
                    share_floor=b.floor, share_cap=b.cap, floors=b.floors, caps=b.caps, band=b.band,
                    band_min=b.band_min, progress=b.progress, pause_after=b.pause_after, pause_s=b.pause_s,
-                   clock=clock)
+                   regression_boost=b.regression_boost, clock=clock)
 
     def _floor(self, name: str) -> float:
         return self.floors.get(name, self.share_floor)
@@ -393,9 +397,16 @@ class DomainMixer:
         """The ``signal`` policy's factor of ``name`` (1 until its window holds ``min_groups`` groups)."""
         w = self.windows[name]
         if len(w.groups) < self.min_groups:
-            return 1.0
+            return self.regression_boost if name in self.regressed else 1.0
         score = w.varied_share() * self.band_factor(w.solve_rate()) + self.progress_weight * w.progress()
-        return max(MIN_SIGNAL, score)
+        return max(MIN_SIGNAL, score) * (self.regression_boost if name in self.regressed else 1.0)
+
+    def set_regressed(self, names: set[str]) -> None:
+        """The sources whose held-out accuracy regressed now (from the eval role); ``signal`` boosts them."""
+        self.regressed = {n for n in names if n in self.windows}
+        if self.policy == "signal":
+            for name in self._factor:
+                self._factor[name] = self.signal(name)
 
     def paused(self, name: str) -> bool:
         w = self.windows.get(name)
@@ -459,7 +470,7 @@ class DomainMixer:
                          "window_groups": len(w.groups), "varied": round(w.varied_share(), 4),
                          "solve": round(w.solve_rate(), 4), "progress": round(w.progress(), 4),
                          "groups_seen": w.groups_seen, "verifier_errors": w.verifier_errors,
-                         "paused": self.paused(name), "pauses": w.pauses}
+                         "paused": self.paused(name), "pauses": w.pauses, "regressed": name in self.regressed}
         return out
 
     def state(self) -> dict[str, Any]:
@@ -782,6 +793,7 @@ class SchedulerActor(Actor):
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_learner)
             tg.start_soon(self._watch_stats)
+            tg.start_soon(self._watch_eval)
             if self.cfg.published_tasks:
                 tg.start_soon(self._consume_published)
             try:
@@ -955,6 +967,24 @@ class SchedulerActor(Actor):
                 log.warning("%s: ignoring unreadable reward statistics: %s", self.name, exc)
                 continue
             self._notify()
+
+    async def _watch_eval(self) -> None:
+        async for raw in self.rt.require_nats().kv_watch(self._bucket, Names.EVAL_STATUS_KEY):
+            try:
+                domains = json.loads(raw)["domains"]
+                regressed = {d for d, e in domains.items() if isinstance(e, dict) and e.get("regressed")}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("%s: ignoring an unreadable eval status: %s", self.name, exc)
+                continue
+            self.apply_eval(regressed)
+            self._notify()
+
+    def apply_eval(self, regressed_domains: set[str]) -> None:
+        """Take the eval role's regression flags: the sources of those domains are boosted under ``signal``."""
+        names = {s.name for s in self.sources.values() if s.domain in regressed_domains}
+        if names != self.mixer.regressed:
+            log.info("%s: held-out regressions: %s", self.name, ", ".join(sorted(names)) or "none")
+        self.mixer.set_regressed(names)
 
     def apply_snapshot(self, snapshot: dict[str, Any]) -> None:
         """Take one reward actor's statistics snapshot: its increments feed the balancing windows, and the

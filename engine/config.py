@@ -142,6 +142,9 @@ class BalanceConfig(Section):
     """Pause a domain once its last this-many samples all failed in the verifier (0: never pause)."""
     pause_s: float = Field(120.0, gt=0)
     """A paused domain is tried again (a probe) after this long."""
+    regression_boost: float = Field(2.0, ge=1)
+    """``signal``: factor on a domain whose held-out accuracy regressed (the eval role's
+    ``eval.regression_threshold``), until its evaluation recovers; 1: evaluations do not steer."""
 
     @model_validator(mode="after")
     def _check(self) -> "BalanceConfig":
@@ -517,7 +520,14 @@ class EvalConfig(Section):
     every_versions: int = Field(0, ge=0)
     """Evaluate every Nth weight version (0: no evaluation during training)."""
     domains: dict[str, int] = Field(default_factory=dict)
-    """Built-in domain -> held-out tasks to evaluate (tasks the scheduler never issues)."""
+    """Built-in domain -> held-out tasks to evaluate (tasks the scheduler never issues). Empty: every domain
+    the scheduler trains (``scheduler.domains`` with a positive weight), ``tasks_per_domain`` tasks each."""
+    tasks_per_domain: int = Field(32, ge=1)
+    """Held-out tasks per trained domain when ``domains`` is empty."""
+    regression_threshold: float = Field(0.1, ge=0, le=1)
+    """A domain whose held-out accuracy falls more than this below its best of the run is flagged: a
+    warning, the ``eval_alerts`` statistic (metric ``rollout_eval_<domain>_regressed``), and under the
+    ``signal`` balancing policy a sampling boost (``scheduler.balance.regression_boost``)."""
     task_file: str | None = None
     """Also evaluate the rows of this task file (JSONL / Parquet / HF dataset dir), e.g. a user's held-out set."""
     samples: int = Field(1, ge=1, le=64)
@@ -530,8 +540,6 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
-        if self.every_versions and not (self.domains or self.task_file):
-            raise ValueError("eval.every_versions is set but eval.domains and eval.task_file name no tasks")
         if self.samples > 1 and self.temperature <= 0:
             raise ValueError(f"eval.samples = {self.samples} needs eval.temperature > 0 (greedy samples are identical)")
         for name, n in self.domains.items():
@@ -628,7 +636,17 @@ class EngineConfig(Section):
     def _check_roles(self) -> "EngineConfig":
         if len(set(self.roles)) != len(self.roles):
             raise ValueError(f"roles listed twice: {self.roles}")
+        ev = self.eval
+        if ev.every_versions and not (ev.domains or ev.task_file or self.trained_domains()):
+            raise ValueError("eval.every_versions is set but eval.domains and eval.task_file name no tasks and "
+                             "scheduler.domains trains none (with task_files only, name eval.domains)")
         return self
+
+    def trained_domains(self) -> list[str]:
+        """The domains the scheduler's generators train (positive weight; none when it issues task files)."""
+        if self.scheduler.task_files:
+            return []
+        return [d for d, w in self.scheduler.domains.items() if w > 0]
 
 
 # -- files a config names ------------------------------------------------------------------------------

@@ -85,3 +85,5 @@ class Names:
 
     WEIGHTS_KEY = "weights.latest"
     LEARNER_VERSION_KEY = "learner.version"
+    EVAL_STATUS_KEY = "eval.status"
+    """The eval role's latest held-out accuracy per domain, its best and regression flag (actors/eval_role.py)."""

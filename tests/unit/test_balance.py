@@ -117,6 +117,21 @@ def test_a_domain_whose_verifier_always_fails_is_paused_counted_and_probed() -> 
     assert only.paused("x") and only.weights == {"x": 1.0}
 
 
+def test_a_regressed_domain_is_boosted_under_signal() -> None:
+    m = signal_mixer({"a": 1.0, "b": 1.0}, regression_boost=2.0)
+    for _ in range(4):
+        m.observe("a", groups(4, varied=4, solve=0.5))
+        m.observe("b", groups(4, varied=4, solve=0.5))
+    assert m.weights["a"] == pytest.approx(0.5)
+    m.set_regressed({"a", "unknown"})
+    assert m.weights["a"] == pytest.approx(2 / 3) and m.view()["a"]["regressed"]
+    m.set_regressed(set())
+    assert m.weights["a"] == pytest.approx(0.5)
+    zv = DomainMixer({"a": 1.0, "b": 1.0}, policy="zero_variance", regression_boost=2.0)
+    zv.set_regressed({"a"})
+    assert zv.weights["a"] == 0.5  # only signal is steered by evaluations
+
+
 def test_mixer_state_round_trips() -> None:
     m = signal_mixer({"a": 1.0, "b": 2.0}, pause_after=4, clock=lambda: 50.0)
     for step in range(6):
@@ -201,6 +216,9 @@ async def test_the_scheduler_checkpoints_its_balancing_in_its_status() -> None:
         second.apply_snapshot({"instance": "r", "epoch": "e", "domains": {
             "arith": groups(16, varied=0, solve=1.0), "math": groups(16, varied=16, solve=0.5)}})
         assert second.mixer.view()["math"]["groups_seen"] == 16
+        share = second.mixer.weights["math"]
+        second.apply_eval({"math", "python"})  # the eval role's regression flags (python: not trained here)
+        assert second.mixer.view()["math"]["regressed"] and second.mixer.weights["math"] > share
 
 
 def test_the_dashboard_plots_sampling_and_gradient_shares() -> None:

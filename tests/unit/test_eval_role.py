@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from actors.eval_role import due, eval_tasks, result_message
+from actors.eval_role import RegressionWatch, due, eval_tasks, result_message
 from actors.evaluate import EpisodeRecord, summarise
 from engine.config import EngineConfig, EvalConfig
 from engine.schemas import EvalResult, SchemaError
@@ -30,8 +30,10 @@ def test_due(version: int, last: int | None, every: int, expected: bool) -> None
 
 
 def test_config_errors_name_the_field() -> None:
+    # nothing to evaluate: no eval.domains, no task file, and a scheduler that trains no domain
     with pytest.raises(ValidationError, match="eval.every_versions is set but"):
-        EvalConfig(every_versions=2)
+        EngineConfig(eval=EvalConfig(every_versions=2), scheduler={"domains": {}, "published_tasks": True})
+    assert EngineConfig(eval=EvalConfig(every_versions=2)).trained_domains() == ["arith"]  # every trained domain
     with pytest.raises(ValidationError, match="eval.samples = 4 needs eval.temperature > 0"):
         EvalConfig(every_versions=2, domains={"math": 8}, samples=4, temperature=0.0)
     with pytest.raises(ValidationError, match="eval.domains.math = 0"):
@@ -65,3 +67,35 @@ def test_result_rejects_rates_outside_unit_interval() -> None:
         EvalResult(domain="math", weight_version=1, tasks=1, samples=1, completion_rate=1.5, completion_ci95=[0, 1],
                    mean_correctness=0.0, pass_at_1=0.0, pass_at_k=0.0, mean_turns=1, mean_tokens=1,
                    temperature=1.0, elapsed_s=0.1).validate()
+
+
+def test_an_empty_domains_table_evaluates_every_trained_domain() -> None:
+    cfg = EngineConfig(scheduler={"domains": {"arith": 1.0, "math": 2.0, "code": 0.0}},
+                       eval=EvalConfig(every_versions=1, tasks_per_domain=5))
+    tasks = eval_tasks(cfg.eval, cfg.trained_domains())
+    assert sorted({t.domain for t in tasks}) == ["arith", "math"]  # a zero weight is not trained
+    assert all(sum(t.domain == d for t in tasks) == 5 for d in ("arith", "math"))
+    # named domains win over the trained ones
+    assert {t.domain for t in eval_tasks(EvalConfig(every_versions=1, domains={"code": 2}), ["arith"])} == {"code"}
+    with pytest.raises(ValueError, match="every trained domain.*'nope'"):
+        eval_tasks(cfg.eval, ["nope"])
+    with pytest.raises(ValueError, match="eval.domains: domain 'nope'"):
+        eval_tasks(EvalConfig(every_versions=1, domains={"nope": 2}))
+
+
+def test_a_regression_from_the_best_is_flagged_once_and_cleared_on_recovery() -> None:
+    w = RegressionWatch(threshold=0.1)
+    assert not w.observe("math", 0, 0.30)
+    assert not w.observe("math", 5, 0.50)
+    assert not w.observe("math", 10, 0.41)  # 0.09 below its best: noise
+    assert w.observe("math", 15, 0.35) and w.regressed("math") and w.alerts == 1
+    assert w.observe("math", 20, 0.30) and w.alerts == 1  # still the same regression
+    assert not w.observe("arith", 20, 0.9)  # other domains are judged on their own best
+    status = json.loads(json.dumps(w.status()))
+    assert status["domains"]["math"] == {"accuracy": 0.30, "version": 20, "best": 0.50, "best_version": 5,
+                                         "regressed": True}
+    again = RegressionWatch(threshold=0.1)
+    again.restore(status)  # a restarted eval actor keeps the run's bests
+    assert again.regressed("math") and again.best["math"] == (0.5, 5)
+    assert not again.observe("math", 25, 0.45) and not again.regressed("math")  # recovered
+    assert again.observe("math", 30, 0.2) and again.alerts == 2
