@@ -82,6 +82,7 @@ EXCLUDED: dict[str, str] = {
     "polynomial_multiplication": _HASH_SEED,
     "ransom_note": _HASH_SEED,
     "word_ladder": _HASH_SEED,
+    "codeio": _HASH_SEED + " (3 of 24 items checked here changed between two hash seeds, answers included)",
     "composite": "a mixture of other datasets, not a dataset (mix rg:NAME domains with scheduler.domains weights)",
     "sokoban": "item generation has no time bound: at levels 0, 10 and 11 single items took over 20 s (puzzle search)",
 }
@@ -99,7 +100,7 @@ LEVEL_CAPS: dict[str, tuple[int, str]] = {
 KNOWN_DATASETS = (
     "ab", "acre", "advanced_geometry", "aiw", "arc_1d", "base_conversion", "basic_arithmetic", "bf",
     "binary_alternation", "binary_matrix", "bitwise_arithmetic", "caesar_cipher", "calendar_arithmetic", "chain_sum",
-    "circuit_logic", "codeio", "coin_flip", "color_cube_rotation", "complex_arithmetic", "count_bits", "count_primes",
+    "circuit_logic", "coin_flip", "color_cube_rotation", "complex_arithmetic", "count_bits", "count_primes",
     "countdown", "course_schedule", "cryptarithm", "decimal_arithmetic", "decimal_chain_sum", "dice",
     "emoji_mystery", "family_relationships", "figlet_font", "fraction_simplification", "futoshiki", "game_of_life",
     "gcd", "group_anagrams", "gsm_symbolic", "intermediate_integration", "jugs", "kakurasu", "knights_knaves",
