@@ -169,6 +169,8 @@ class RewardStatsMerger:
             if not isinstance(s, dict):
                 continue
             cur = {k: _number(s.get(k)) for k in REWARD_COUNTERS}
+            if "zero_variance_groups" not in s:  # a writer that states only the rate
+                cur["zero_variance_groups"] = _number(s.get("zero_variance_rate")) * cur["groups"]
             cur["success"] = _number(s.get("success"))
             old = before.get(d, {})
             if any(cur[k] < float(old.get(k, 0.0)) for k in REWARD_COUNTERS):

@@ -163,6 +163,10 @@ def test_reward_stats_of_several_writers_add_up() -> None:
     # r2 restarts (a new epoch): its counters start from zero; the old ones are kept as retired
     assert merger.add(snap("r2", "e2", 4, 1, 0, 4.0, 1.0))["d"]["count"] == 4
     assert merger.merged()["d"]["count"] == 20
+    # a writer that states only the rate (an older reward actor, a hand-written snapshot)
+    legacy = RewardStatsMerger()
+    legacy.add({"domains": {"d": {"count": 40, "groups": 20, "zero_variance_rate": 1.0, "success": 0.0}}})
+    assert legacy.merged()["d"]["zero_variance_rate"] == 1.0 and legacy.merged()["d"]["zero_variance_groups"] == 20
     restored = RewardStatsMerger()
     restored.restore(json.loads(json.dumps(merger.state())))
     assert restored.merged() == merger.merged()
