@@ -232,3 +232,56 @@ def test_the_dashboard_plots_sampling_and_gradient_shares() -> None:
                                                                     "python": {"share": 0.0, "paused": True}}},
                      "learner": {"role": "learner", "step_domains": {"math": {"grad_share": 0.6}}}})
     assert set(points) == {("balance", "math", 0.7), ("balance", "python", 0.0), ("balance", "grad math", 0.6)}
+
+
+class _Record:
+    """The surface of a consumed record the reward actor's ``handle`` uses."""
+
+    def __init__(self, message: object, message_id: str) -> None:
+        self.message, self.message_id, self.acked = message, message_id, False
+
+    def ack(self) -> None:
+        self.acked = True
+
+
+def _outcome(task_id: str, index: int, correct: bool, *, error: str = "") -> object:
+    import numpy as np
+
+    from engine.schemas import Completion, Outcome
+
+    n = 3
+    completion = Completion(
+        sample_id=f"{task_id}/{index}", task_id=task_id, domain="arith", group_index=index, group_size=4,
+        prompt_ids=np.arange(4, dtype=np.int32), response_ids=np.arange(n, dtype=np.int32),
+        logprobs=np.full(n, -0.5, np.float32), loss_mask=np.ones(n, np.uint8), weight_versions=np.zeros(n, np.int32),
+        text="19" if correct else "18", finish_reason="stop", spec={"answer": "19"})
+    return Outcome(completion=completion.to_body(), facts={} if error else {"correct": correct}, verifier="answer",
+                   error=error)
+
+
+@pytest.mark.anyio
+async def test_the_reward_actor_counts_what_the_scheduler_differences() -> None:
+    from actors.reward import RewardActor
+
+    cfg = EngineConfig(namespace="rewardcounts")
+    async with Runtime(cfg, event_log=MemoryEventLog(), store=MemoryStore(), instance="t") as rt:
+        actor = RewardActor(rt)
+        records = [_Record(_outcome("judged", i, c), f"j{i}") for i, c in enumerate((True, False, True, False))]
+        records += [_Record(_outcome("broken", i, False, error="sandbox lost"), f"b{i}") for i in range(4)]
+        for r in records:
+            await actor.handle(r)  # type: ignore[arg-type]
+        assert all(r.acked for r in records)  # both groups complete and emitted
+        snap = actor.snapshot()
+        s = snap["domains"]["arith"]
+        assert (s["count"], s["correct_total"], s["groups"], s["zero_variance_groups"]) == (4, 2.0, 1, 0)
+        assert (s["verifier_errors"], s["error_groups"]) == (4, 1)  # the all-error group is not a judged group
+        assert snap["instance"] == "t/reward" and snap["epoch"]
+        assert RewardActor(rt).epoch != actor.epoch  # a new actor's counters are a new epoch
+
+    merger = RewardStatsMerger()
+    mixer = signal_mixer({"arith": 1.0}, pause_after=4)
+    for name, delta in merger.add(json.loads(json.dumps(snap))).items():
+        mixer.observe(name, delta)
+    view = mixer.view()["arith"]
+    assert (view["window_groups"], view["solve"], view["varied"], view["verifier_errors"]) == (1, 0.5, 1.0, 4)
+    assert not mixer.paused("arith")  # judged samples came with the errors: not a verifier that always fails
