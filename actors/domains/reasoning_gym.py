@@ -247,13 +247,41 @@ def scorer(name: str) -> Callable[[str | None, dict[str, Any]], float]:
     return _cached_scorer(name)
 
 
+_SAID = re.compile(r"(?i)\banswer\b(?:[^.:=\n<>]{0,60}?\bis\b\**\s*[:=]?|\**\s*[:=])\s*(.+)")
+
+
+def _said(text: str) -> str | None:
+    """What follows the last "answer is" / "Answer:" on its line (a chat model's usual phrasing), trimmed of
+    the closing full stop, quotes and emphasis; None when the reply says no such thing."""
+    found = None
+    for line in text.splitlines():
+        for m in _SAID.finditer(line):
+            found = m.group(1)
+    if found is None:
+        return None
+    for _ in range(3):  # '"Yes".', '**42**.', ...: the closing full stop, quotes and emphasis, in any order
+        found = found.strip().strip("*`\"'")
+        if found.endswith(".") and not found.endswith(".."):
+            found = found[:-1]
+    return found.strip()
+
+
 def candidates(text: str) -> list[str]:
-    """What a reply may answer with, in order: the last ``<answer>`` tag's content, the whole reply, its last
-    non-empty line (stripped, duplicates dropped)."""
+    """What a reply may answer with, in order: the last ``<answer>`` tag's content, the last ``\\boxed{}``, what
+    follows its last "answer is" / "Answer:", the whole reply, its last non-empty line (stripped, duplicates
+    dropped). Each is one reading of the reply as a whole; a number merely mentioned in passing is not one."""
+    from sandboxes.verifiers import _boxed
+
     out: list[str] = []
     tags = _ANSWER_TAG.findall(text)
     if tags:
         out.append(tags[-1].strip())
+    boxed = _boxed(text)
+    if boxed is not None:
+        out.append(boxed.strip())
+    said = _said(text)
+    if said:
+        out.append(said)
     out.append(text.strip())
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if lines:

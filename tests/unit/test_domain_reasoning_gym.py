@@ -150,8 +150,12 @@ def test_extraction_is_lenient_about_layout_but_never_credits_an_answer_among_ot
     a = task.ideal
     for text in (f"<answer>{a}</answer>", f"Let me add.\n<answer> {a} </answer>", f"Let me add.\n\n{a}\n", f"  {a}  "):
         assert _verify("rg:chain_sum", text, task.spec)["correct"], text
-    facts = _verify("rg:chain_sum", f"The answer is {a}", task.spec)
+    for said in (f"The answer is {a}.", f"The final answer to the problem is **{a}**.", f"Answer: {a}"):
+        facts = _verify("rg:chain_sum", said, task.spec)  # a chat model's phrasing: the answer it states
+        assert facts["correct"] and facts["extracted"] == a, said
+    facts = _verify("rg:chain_sum", f"I think it is {a} or so", task.spec)
     assert not facts["correct"] and 0.0 < facts["score"] < 1.0  # the scorer's partial credit, not a reward
+    assert not _verify("rg:chain_sum", f"The answer is {a} or {int(a) + 1}.", task.spec)["correct"]
     assert not _verify("rg:chain_sum", f"{a}\nor maybe 3", task.spec)["correct"]
     assert not _verify("rg:chain_sum", "", task.spec)["correct"]
     bad = _verify("rg:chain_sum", a, {"entry": "x"})
