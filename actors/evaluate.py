@@ -202,7 +202,8 @@ def heldout_tasks(domains: dict[str, int], *, seed: int = 0, difficulty: float =
 
 async def run_episodes(url: str, tasks: list[EvalTask], *, seed: int = 0, max_new_tokens: int = 32,
                        concurrency: int = 16, samples: int = 1, temperature: float = 0.0, tokenizer: Any = None,
-                       sandbox_backend: str = "bwrap", api_key: str | None = None) -> list[EpisodeRecord]:
+                       sandbox_backend: str = "bwrap", api_key: str | None = None,
+                       request_timeout_s: float = 120.0) -> list[EpisodeRecord]:
     """Play every task ``samples`` times against ``url``, verified in ``sandbox_backend`` sandboxes.
 
     Records come back in task order, then sample order. Sampling seeds are fixed by ``seed``, the task's
@@ -214,7 +215,7 @@ async def run_episodes(url: str, tasks: list[EvalTask], *, seed: int = 0, max_ne
         raise ValueError(f"samples={samples} needs a temperature > 0 (greedy generations would all be the same)")
     records: list[EpisodeRecord | None] = [None] * (len(tasks) * samples)
     limiter = anyio.Semaphore(concurrency)
-    async with (SGLangClient([url], timeout=120, api_key=api_key) as client,
+    async with (SGLangClient([url], timeout=request_timeout_s, api_key=api_key) as client,
                 SandboxPool(sandbox_backend, size=min(4, concurrency), max_size=concurrency) as pool):
 
         async def one(i: int, j: int, task: EvalTask, k: int) -> None:

@@ -74,15 +74,22 @@ async def measure(model_dir: Path, names: list[str], args: argparse.Namespace) -
     from actors.inference.backends import inference_backend
     from engine.config import InferenceConfig
 
-    tasks = heldout_tasks({n: args.tasks for n in names}, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     launch = inference_backend("local").launch
     assert launch is not None
+    records = []
     with tempfile.TemporaryDirectory(prefix="rollout-domains-") as run_dir:
         async with launch(InferenceConfig(), model_dir, Path(run_dir)) as url:
-            records = await run_episodes(url, tasks, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                         concurrency=args.concurrency, samples=args.samples,
-                                         temperature=args.temperature, tokenizer=tokenizer)
+            for name in names:  # one domain at a time, its generations together: a row printed as each ends
+                start = time.perf_counter()
+                mine = await run_episodes(url, heldout_tasks({name: args.tasks}, seed=args.seed), seed=args.seed,
+                                          max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
+                                          samples=args.samples, temperature=args.temperature, tokenizer=tokenizer,
+                                          request_timeout_s=900)
+                records += mine
+                r = summarise(mine, args.samples)[name]
+                print(f"  {name}: solved {r.completion_rate:.3f} of {r.episodes} ({time.perf_counter() - start:.0f}s)",
+                      flush=True)
     return summarise(records, args.samples)
 
 
