@@ -219,7 +219,11 @@ def validate(args: argparse.Namespace) -> tuple[list[str], DomainSet]:
         check_model_dir(Path(args.model_dir))
     if bool(args.bootstrap) != bool(args.nats):
         raise BadInput("--bootstrap and --nats go together (or neither: the benchmark starts its own)")
-    return systems, DomainSet(trained, untrained, multi)
+    domains = DomainSet(trained, untrained, multi)
+    check_configs(Plan(str(args.model_dir), args.seconds, Path("saved"), Path("work"), domains, args.engine_batch,
+                       quick=args.quick, eval_every=args.eval_every, bootstrap="127.0.0.1:9092",
+                       nats_url="nats://127.0.0.1:4222"), systems)
+    return systems, domains
 
 
 # -- the generated engine config ---------------------------------------------------------------------
@@ -310,10 +314,42 @@ def engine_config(plan: Plan, system: str, seed: int, namespace: str) -> dict[st
         "sandbox": {"pool_size": 2, "max_sandboxes": 16, "timeout_s": 5.0},
         "supervision": {"drain_timeout_s": STOP_GRACE_S},
     }
+    if plan.quick:  # the tiny model solves almost nothing: its all-zero groups still go through every stage
+        base["reward"]["drop_zero_variance"] = False
     if plan.eval_every:
         base["eval"] = {"every_versions": plan.eval_every, "domains": {d: 16 for d in plan.domains.evaluated},
                         "temperature": TEMPERATURE, "samples": 1}
-    return merge(base, SYSTEMS[system])
+    return fit_bounds(merge(base, SYSTEMS[system]), len(plan.domains.trained))
+
+
+def fit_bounds(cfg: dict[str, Any], n: int) -> dict[str, Any]:
+    """``scheduler.balance``'s floor and cap made feasible for ``n`` domains (floor <= 1/n <= cap), so one
+    system definition serves any ``--domains``."""
+    balance = cfg.get("scheduler", {}).get("balance")
+    if not balance:
+        return cfg
+    balance = dict(balance)
+    if "floor" in balance:
+        balance["floor"] = min(float(balance["floor"]), 1.0 / n)
+    if "cap" in balance:
+        balance["cap"] = max(float(balance["cap"]), math.ceil(1000.0 / n) / 1000.0)
+    return merge(cfg, {"scheduler": {"balance": balance}})
+
+
+def check_configs(plan: Plan, systems: list[str]) -> None:
+    """Every engine system's generated config loads (BadInput naming the system and the error otherwise)."""
+    from engine.config import ConfigError, load_config
+
+    with tempfile.TemporaryDirectory(prefix="rollout-multidomain-check-") as tmp:
+        for system in systems:
+            if system not in ENGINE_SYSTEMS:
+                continue
+            path = Path(tmp) / f"{system}.toml"
+            path.write_text(toml_text(engine_config(plan, system, 0, "check")))
+            try:
+                load_config(path, environ={})
+            except (ConfigError, ValueError) as exc:
+                raise BadInput(f"{system}: its generated config is refused: {(str(exc).splitlines() or [''])[0]}") from None
 
 
 # -- reading the run while it goes -------------------------------------------------------------------
