@@ -9,7 +9,7 @@ engine starts without the package: the names are then listed as unavailable with
   (``round(difficulty * (levels - 1))``; a dataset without a curriculum has one level, its default config).
   One dataset object is built per (name, level) with the fixed seed :data:`SEED` and :data:`SIZE` items,
   and a task is ``entry = ds[rng.randrange(size)]``: deterministic given the ``rng``, in every process.
-  Prompt: the entry's question plus :data:`INSTRUCTION`. ``spec = {"dataset", "entry", "level",
+  Prompt: the entry's question plus an answer instruction (:func:`instruction`). ``spec = {"dataset", "entry", "level",
   "max_new_tokens"}`` (the entry made MessagePack-safe: specs travel over Kafka); the ideal completion is the
   entry's own answer.
 - **verifier**: in process (no sandbox), with the dataset's own scorer (``get_score_answer_fn``) run in a
@@ -59,7 +59,17 @@ BUDGET_SAMPLES = 4
 GENERATION_TRIES = 20
 MIN_NEW_TOKENS = 32
 MAX_NEW_TOKENS = 4096
-INSTRUCTION = "Reply with only the final answer, in the format the question asks for, and nothing else."
+INSTRUCTION = "Give just the answer, in the format the question asks for."
+NUMBER_INSTRUCTION = "Answer with just the number."
+"""The line after the question: the number one when the oracle answer is an integer (SmolLM2-135M-Instruct,
+sampled at T=1 on 12 chain_sum tasks x 2: 2 of 24 right with it, 0 with a longer generic instruction), else the
+generic one. A function of the item alone, so every process renders the same prompt."""
+_INTEGER = re.compile(r"-?\d+")
+
+
+def instruction(entry: dict[str, Any]) -> str:
+    """The answer instruction for one item (see :data:`NUMBER_INSTRUCTION`)."""
+    return NUMBER_INSTRUCTION if _INTEGER.fullmatch(str(entry.get("answer", "")).strip()) else INSTRUCTION
 
 SCORER_FAILURES: dict[str, int] = {"timeout": 0, "error": 0}
 """Scorer calls that timed out or raised, in this process (each one is a failed answer with ``error``)."""
@@ -393,7 +403,7 @@ def _make_task(name: str) -> Callable[[random.Random, float], GeneratedTask]:
             raise RuntimeError(f"reasoning-gym {name} level {level}: {GENERATION_TRIES} items in a row failed to "
                                f"generate (last: {type(error).__name__}: {error})")
         ideal = oracle(entry) or ""
-        prompt = f"{str(entry.get('question', '')).rstrip()}\n\n{INSTRUCTION}"
+        prompt = f"{str(entry.get('question', '')).rstrip()}\n\n{instruction(entry)}"
         spec = {"dataset": name, "entry": entry, "level": level, "max_new_tokens": token_budget(ideal)}
         return GeneratedTask(prompt=prompt, spec=spec, ideal=ideal)
 

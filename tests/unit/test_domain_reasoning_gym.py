@@ -100,7 +100,7 @@ def test_a_resolved_domain_is_in_process_and_its_splits_are_disjoint() -> None:
     assert not any(is_heldout(p) for p in train)
     assert not set(held) & set(train)
     prompt, spec = d.generate(random.Random(3))
-    assert prompt.endswith(rg.INSTRUCTION) and spec["dataset"] == "leg_counting" and spec["level"] == 0
+    assert prompt.endswith(rg.NUMBER_INSTRUCTION) and spec["dataset"] == "leg_counting" and spec["level"] == 0
     assert spec["entry"]["question"] in prompt and isinstance(spec["max_new_tokens"], int)
 
 
