@@ -657,12 +657,12 @@ def format_table(out: dict[str, Any]) -> str:
 
     systems = list(out["systems"])
     lines = []
-    head = f"{'domain':<22}{'const':>7}{'before':>8}" + "".join(f"{s[:16] + ' after':>24}{'gain':>8}" for s in systems)
+    head = f"{'domain':<30}{'const':>7}{'before':>8}" + "".join(f"{s[:16] + ' after':>24}{'gain':>8}" for s in systems)
     lines.append(head)
     for d, fig in out["domains"].items():
         tag = "" if fig["trained"] else " (untrained)"
         tag = " (engine only)" if fig["engine_only"] else tag
-        line = f"{(d + tag)[:21]:<22}{f(fig['constant_baseline'], '.2f'):>7}{f(fig['before']):>8}"
+        line = f"{(d + tag)[:29]:<30}{f(fig['constant_baseline'], '.2f'):>7}{f(fig['before']):>8}"
         for s in systems:
             row = fig["systems"].get(s) or {}
             mark = "+" if row.get("up") else ("-" if row.get("down") else " ")
