@@ -52,3 +52,21 @@ def test_quick_multidomain_benchmark_trains_every_domain_and_scores_each(kafka_b
     assert result["mean_gain"] == result["systems"]["engine_adaptive"]["mean_gain"]
     assert Path(result["png"]).read_bytes()[:4] == b"\x89PNG"
     assert "mean gain" in proc.stdout and "engine_adaptive" in proc.stdout
+
+
+def test_the_trl_reward_is_the_engines_verifier_and_reward_with_code_in_a_sandbox() -> None:
+    """TRL's reward function (``loadtests/_trl_multidomain.py``) gives each domain's ideal answer the engine's
+    full reward and a wrong one none, code run in a real bwrap sandbox; conversational and plain completions alike."""
+    import random
+
+    from actors.domains import DOMAINS
+    from loadtests._trl_multidomain import engine_rewards
+
+    names = ["arith", "code", "math"]
+    tasks = [(n, DOMAINS[n].make(random.Random(5), 0.0)) for n in names]
+    domains = [n for n, _ in tasks]
+    specs = [json.dumps(t.spec) for _, t in tasks]
+    with engine_rewards(names) as reward:
+        assert reward([[{"role": "assistant", "content": t.ideal}] for _, t in tasks], domains, specs) == [1.0, 1.0, 1.0]
+        assert reward([t.ideal for _, t in tasks], domains, specs) == [1.0, 1.0, 1.0]
+        assert reward(["def f(x): return None", "def f(x): return None", "-12345"], domains, specs) == [0.0, 0.0, 0.0]
