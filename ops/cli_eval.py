@@ -59,6 +59,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32,
                         help="generation budget of domains that set none (default 32)")
     parser.add_argument("--concurrency", type=int, default=16, help="episodes in flight (default 16)")
+    parser.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
+                        help="seconds one generation request may take, queueing included (default 120; raise it for "
+                             "long budgets on a CPU)")
     parser.add_argument("--sandbox-backend", default="bwrap", choices=("bwrap", "docker"),
                         help="where verifiers and multi-turn episodes run (default bwrap)")
     parser.add_argument("--json", metavar="F", help="write the report and every episode as JSON")
@@ -121,7 +124,8 @@ async def run_eval(args: argparse.Namespace, tasks: list[Any]) -> tuple[dict[str
     from actors.evaluate import run_episodes, summarise
 
     kwargs = dict(seed=args.seed, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
-                  samples=args.samples, temperature=args.temperature, sandbox_backend=args.sandbox_backend)
+                  samples=args.samples, temperature=args.temperature, sandbox_backend=args.sandbox_backend,
+                  request_timeout_s=args.request_timeout)
     if args.url:
         await _check_url(args.url)
         tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
@@ -131,6 +135,29 @@ async def run_eval(args: argparse.Namespace, tasks: list[Any]) -> tuple[dict[str
             model_dir = await policy_dir(args, Path(scratch))
             records = await _serve_and_play(model_dir, tasks, kwargs)
     return summarise(records, args.samples), records
+
+
+async def _run_or_policy_error(args: argparse.Namespace, tasks: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """:func:`run_eval`, a policy that stops answering mid-run (a request timing out, a dropped connection) as
+    a :class:`PolicyError` naming the first failure."""
+    from actors.inference.sglang_client import SGLangError
+
+    try:
+        return await run_eval(args, tasks)
+    except BaseException as exc:
+        failures = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
+        first = next((e for e in _leaves(failures) if isinstance(e, SGLangError)), None)
+        if first is None:
+            raise
+        raise PolicyError(f"the policy stopped answering: {first} (--request-timeout {args.request_timeout:g} s; "
+                          "raise it or lower --concurrency for long budgets on a slow server)") from None
+
+
+def _leaves(excs: Any) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in excs:
+        out += _leaves(e.exceptions) if isinstance(e, BaseExceptionGroup) else [e]
+    return out
 
 
 async def policy_dir(args: argparse.Namespace, scratch: Path) -> Path:
@@ -278,7 +305,7 @@ def _eval(args: argparse.Namespace) -> int:
         if args.temperature is None:
             args.temperature = 1.0 if args.samples > 1 else 0.0
         tasks = load_tasks(args)
-        reports, records = anyio.run(run_eval, args, tasks)
+        reports, records = anyio.run(_run_or_policy_error, args, tasks)
     except EvalInputError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

@@ -139,3 +139,37 @@ def test_weights_need_the_configs_model_dir(tmp_path: Path, capsys: pytest.Captu
     assert "inference.model_dir is not set" in capsys.readouterr().err
     assert main(["eval", "--weights", str(tmp_path / "absent.toml"), "--domain", "math=1"]) == 2
     assert "--weights" in capsys.readouterr().err
+
+
+def test_a_policy_that_stops_answering_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import http.server
+    import threading
+
+    release = threading.Event()
+
+    class Hanging(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # /health_generate answers
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:  # /generate never does (until the test ends)
+            release.wait(10)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hanging)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["eval", "--url", url, "--domain", "math=2", "--request-timeout", "0.5"]) == 1
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert err.startswith("rollout eval: the policy stopped answering: ") and err.count("\n") == 1
+    assert "--request-timeout 0.5 s" in err and "Traceback" not in err
