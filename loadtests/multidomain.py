@@ -403,8 +403,7 @@ class StatusPoller:
                 raw = await nats.kv_get(bucket, SCHEDULER_STATUS_KEY)
                 if raw:
                     weights = json.loads(raw).get("weights") or {}
-                    if not self.shares or self.shares[-1][1] != weights:
-                        self.shares.append((t, {str(k): float(v) for k, v in weights.items()}))
+                    self.shares.append((t, {str(k): float(v) for k, v in weights.items()}))  # every reading: a flat line is a figure too
                 if eval_key:
                     raw = await nats.kv_get(bucket, eval_key)
                     if raw:
