@@ -485,6 +485,12 @@ def run_engine(plan: Plan) -> SystemResult:
     rows = [json.loads(ln) for ln in steps_log.read_text().splitlines() if ln.strip()] if steps_log.exists() else []
     apply_engine_steps(r, rows, spawned_wall)
     finish(r, run)
+    return check_engine_result(r, config)
+
+
+def check_engine_result(r: SystemResult, config: Path) -> SystemResult:
+    """The learner's last status on ``r`` (why no step was made, when none was), and ``failed`` when the learner
+    exported no weights: the end of every engine run of the learning and multi-domain benchmarks."""
     try:
         r.extra["learner_status"] = learner_status(config)
     except Exception as exc:  # a figure for the reader, not one the run depends on

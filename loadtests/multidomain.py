@@ -58,8 +58,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtests.learning import (BadInput, SystemResult, apply_engine_steps, check_model_dir, finish,
-                                last_error_line, learner_status, run_child, stack)
+from loadtests.learning import (BadInput, SystemResult, apply_engine_steps, check_engine_result, check_model_dir, finish,
+                                last_error_line, run_child, stack)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -462,17 +462,7 @@ def run_engine(plan: Plan, system: str, seed: int) -> SystemResult:
     r.extra["eval_curve"] = [[round(t, 1), acc] for t, acc in poller.evals]
     if poller.error:
         r.extra["status_error"] = poller.error
-    try:
-        r.extra["learner_status"] = learner_status(config)
-    except Exception as exc:  # a figure for the reader, not one the run depends on
-        r.extra["learner_status"] = f"unreadable: {type(exc).__name__}: {exc}"
-    status = r.extra["learner_status"]
-    if r.steps == 0 and isinstance(status, dict) and r.error is None:
-        r.error = (f"no learner step: {status.get('consumed', 0)} samples consumed, {status.get('filtered', 0)} "
-                   f"filtered, {status.get('dropped_stale', 0)} stale")
-    if r.status == "ok" and not Path(r.save_dir).is_dir():  # type: ignore[arg-type]
-        r.status, r.error = "failed", "the learner exported no weights"
-    return r
+    return check_engine_result(r, config)
 
 
 def run_trl(plan: Plan, system: str, seed: int) -> SystemResult:
