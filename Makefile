@@ -21,7 +21,7 @@ demo: setup
 # pyproject.toml), then the suite; the integration fixtures start a
 # private broker, nats-server and Docker engine as needed.
 test: setup jaeger
-	$(PYTHON) -m pyflakes engine actors sandboxes streams ops tests loadtests
+	$(PYTHON) -m pyflakes engine modelserver domains learning actors sandboxes streams ops tests loadtests
 	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest tests -q
 

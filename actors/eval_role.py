@@ -33,9 +33,9 @@ from typing import Any
 
 import anyio
 
-from actors.domains import DOMAINS
+from domains import DOMAINS
 from actors.evaluate import EvalReport, EvalTask, file_tasks, heldout_tasks, run_episodes, summarise
-from actors.inference.sglang_client import SGLangClient, SGLangError
+from modelserver.client import SGLangClient, SGLangError
 from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.config import EvalConfig

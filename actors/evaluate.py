@@ -24,10 +24,10 @@ from typing import Any
 
 import anyio
 
-from actors.domains import DOMAINS, score
+from domains import DOMAINS, score
 from actors.inference.actor import format_observation, observation_ids, observation_text
-from actors.inference.sglang_client import SGLangClient
-from actors.llm import has_chat_template, render_prompt
+from modelserver.client import SGLangClient
+from modelserver.llm import has_chat_template, render_prompt
 from engine.eval_stats import mean_interval, pass_at_k, wilson_interval
 from sandboxes import SandboxPool
 

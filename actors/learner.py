@@ -1,6 +1,6 @@
 """The learner role: experience from Kafka in, weights over NATS and checkpoints out.
 
-``LearnerActor`` wraps the infrastructure-free ``Learner`` (``actors/learner_core.py``):
+``LearnerActor`` wraps the infrastructure-free ``Learner`` (``learning/core.py``):
 
 - One learner per deployment. It reads *every* partition of ``rollout.experience`` by manual
   assignment, starting at the offsets of its latest checkpoint (or the beginning); consumer-group
@@ -23,7 +23,7 @@
   (mean reward of the trained samples), ``reward_all`` (mean reward of every sample folded into the step,
   trained and filtered: what a synchronous loop would call its batch reward), the step's metrics and
   ``domains``: per domain of the trained batch, samples, tokens, reward, adv_abs, loss_weight, grad_share
-  (``actors.learner_core.domain_report``; also the actor's ``step_domains`` statistic).
+  (``learning.core.domain_report``; also the actor's ``step_domains`` statistic).
 - ``learner.simulate``: the step only waits a SIMULATED time and publications wait a simulated transfer
   time (``actors/learner_sim.py``); the tiny built-in model is what is checkpointed and published, and the
   status, step lines and logs say ``simulated``.
@@ -56,8 +56,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
-from actors.learner_core import Learner, StepReport, Verdict
-from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
+from learning.core import Learner, StepReport, Verdict
+from modelserver.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.schemas import Experience

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from actors.llm import load_model_dir, save_model_dir
+from modelserver.llm import load_model_dir, save_model_dir
 
 log = logging.getLogger("rollout.learner")
 

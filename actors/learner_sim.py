@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from actors.learner_core import Learner
+from learning.core import Learner
 from engine.config import LearnerConfig, LearnerSimulateConfig
 from engine.schemas import Experience
 

@@ -1,7 +1,7 @@
 """The reward role: outcomes in, experience out, one task's group at a time.
 
 ``RewardActor`` consumes ``rollout.outcomes`` (keyed by task_id, so a group's samples meet in one
-actor), scores each outcome with its domain's reward function (``actors/domains.py``), keeps per-domain
+actor), scores each outcome with its domain's reward function (``domains/``), keeps per-domain
 running statistics, assembles groups and emits ``rollout.experience`` with group-relative advantages.
 
 Delivery (the design's rule: a record is acked only after what it produced is acknowledged):
@@ -47,7 +47,7 @@ import numpy as np
 from opentelemetry import trace
 
 from actors import tracing
-from actors.domains import RewardBreakdown, score
+from domains import RewardBreakdown, score
 from actors.runtime import Runtime, StreamActor
 from engine.config import RewardConfig
 from engine.schemas import Completion, Experience, Outcome

@@ -1,6 +1,6 @@
 """The scheduler role: picks tasks, admits them within the off-policy bound, publishes ``rollout.tasks``.
 
-``SchedulerActor`` draws tasks from sources (the domains' generators of ``actors/domains.py`` and
+``SchedulerActor`` draws tasks from sources (the domains' generators of ``domains/`` and
 users' task files), picks a source by weight, and publishes each admitted task (keyed by task_id) for
 ``group_size`` samples. With ``scheduler.published_tasks`` it also consumes ``rollout.tasks.published``
 (consumer group ``<ns>.scheduler-published``; tasks put there by `rollout tasks publish`) and issues
@@ -49,7 +49,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from actors import tracing
-from actors.domains import DOMAINS, Domain
+from domains import DOMAINS, Domain
 from actors.reward import REWARD_STATS_KEY
 from actors.runtime import Runtime
 from engine.actor import Actor

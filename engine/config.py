@@ -232,14 +232,14 @@ class SchedulerConfig(Section):
 
 def _inference_backend(name: str) -> Any:
     """The registered inference backend ``name`` (imported late: the registry imports this module)."""
-    from actors.inference.backends import inference_backend
+    from modelserver.backends import inference_backend
 
     return inference_backend(name)
 
 
 class InferenceConfig(Section):
     backend: str = "local"
-    """A name registered in actors.inference.backends. `local`: the embedded torch server of this project;
+    """A name registered in modelserver.backends. `local`: the embedded torch server of this project;
     `sglang`: an external SGLang server or router."""
     urls: list[str] = Field(default_factory=list, validate_default=True)
     """SGLang server or router URLs (backend=sglang), or a running local server; empty: start one embedded."""

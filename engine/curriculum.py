@@ -11,7 +11,7 @@ Same shape as the scheduler's difficulty :class:`actors.scheduler.Curriculum`: `
 and ``observe(domain, count, success)`` with the reward actors' cumulative sample ``count`` and recent
 ``success`` rate, so the scheduler consults either one the same way. A length is turned into the
 domain's ``difficulty`` by ``to_difficulty`` (for ``longdoc``:
-:func:`actors.domains.longdoc.difficulty_for_tokens`). Pure logic: no I/O, no clock.
+:func:`domains.longdoc.difficulty_for_tokens`). Pure logic: no I/O, no clock.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the split the engine trains on; never a held-out prompt), interleaved in equal n
 ``scheduler.domains = {name = 1.0, ...}``), as conversational prompts. The reward function plays the part
 of the engine's reward actor: each completion is checked by its domain's verifier
 (``DOMAINS[name].verify``; code runs in a ``SandboxPool("bwrap")`` opened in this process for the whole
-run) and scored by ``actors.domains.reward_fn`` (the domain's ``reward``). Single-turn domains only: a
+run) and scored by ``domains.reward_fn`` (the domain's ``reward``). Single-turn domains only: a
 multi-turn episode has no place in ``GRPOTrainer``. Geometry and budget: :func:`loadtests._trl_runner.train_grpo`;
 ``max_completion_length`` is the largest budget of the domains (TRL has one for all). Exits 3 without ``trl``.
 """
@@ -30,7 +30,7 @@ DEFAULT_NEW_TOKENS = 32
 
 def training_rows(names: list[str], *, per_domain: int, seed: int) -> list[dict[str, Any]]:
     """``per_domain`` training tasks of each domain, interleaved: ``{"prompt", "domain", "spec"}`` (spec as JSON)."""
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     columns = []
     for i, name in enumerate(names):
@@ -45,7 +45,7 @@ def training_rows(names: list[str], *, per_domain: int, seed: int) -> list[dict[
 
 
 def completion_budget(names: list[str], default: int) -> int:
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     return max(DOMAINS[n].budget({}, default) or default for n in names)
 
@@ -57,7 +57,7 @@ def engine_rewards(names: list[str]) -> Iterator[Any]:
     import anyio
     from anyio.from_thread import start_blocking_portal
 
-    from actors.domains import DOMAINS, reward_fn
+    from domains import DOMAINS, reward_fn
     from sandboxes import SandboxPool
 
     sandboxed = any(DOMAINS[n].needs_sandbox for n in names)

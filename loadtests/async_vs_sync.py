@@ -41,7 +41,7 @@ from pathlib import Path
 import anyio
 
 
-from actors.domains import score  # noqa: E402
+from domains import score  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.schemas import Experience  # noqa: E402
 from loadtests._stats import ci95, machine_cpu_jiffies  # noqa: E402

@@ -63,7 +63,7 @@ def process_rss(procs: dict[str, RoleProc]) -> dict[str, int]:
 
 
 def run(plan: Plan, work: Path, *, log: Any = print) -> dict[str, Any]:
-    from actors.llm import write_tiny_model_dir
+    from modelserver.llm import write_tiny_model_dir
     from actors.scheduler import SCHEDULER_STATUS_KEY
     from engine.config import EngineConfig
     from engine.topics import Names

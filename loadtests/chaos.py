@@ -78,7 +78,7 @@ class Chaos:
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
-        from actors.llm import write_tiny_model_dir
+        from modelserver.llm import write_tiny_model_dir
         from engine.config import EngineConfig
 
         self.stack.start()

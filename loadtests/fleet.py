@@ -3,7 +3,7 @@
 Real: the private Kafka broker and nats-server, every role as its own ``rollout run --role R`` process
 (scheduler with admission control, inference actor, sandbox actor with bwrap sandboxes, reward with group
 normalisation, learner with its ledger, checkpoints and weight publication over NATS). SIMULATED: the
-inference servers (``actors/inference/sim``: roofline timing of an H100 SXM serving Qwen2.5-7B, synthetic
+inference servers (``modelserver/sim``: roofline timing of an H100 SXM serving Qwen2.5-7B, synthetic
 tokens) and the learner's step (``learner.simulate``: 6 x params x tokens / (gpus x peak x MFU) on 8 H100s,
 publication time from 15.2 GB over 25 GB/s). See docs/fleet.md.
 
@@ -16,7 +16,7 @@ Two scale factors keep a 2-core machine able to play the fleet, both stated in t
   engine's per-sample work, would be what is measured.
 - ``time_scale``: wall seconds per simulated second, for the servers and the learner alike.
 
-Response lengths: ``actors.inference.sim.roofline.LengthModel`` defaults, a lognormal with median 1,500
+Response lengths: ``modelserver.sim.roofline.LengthModel`` defaults, a lognormal with median 1,500
 tokens, sigma 0.9, capped at 16,384: an ASSUMED long tail shaped like the long-CoT RL length curves
 (DeepSeek-R1, DAPO report means of several thousand tokens with a tail to the generation cap), not a
 fit to one run's histogram.
@@ -36,7 +36,7 @@ Parts:
    microseconds per trained sample (``engine_us_per_sample``): utime + stime (+ reaped children's, e.g.
    sandbox processes) of the role's process from ``/proc/<pid>/stat``, difference over the window; the
    Kafka broker's and the nats-server's CPU per trained sample over the same window (``infra_us_per_sample``).
-4. ``calibration_error``: ``actors.inference.sim.calibrate`` against the local engine on the real model
+4. ``calibration_error``: ``modelserver.sim.calibrate`` against the local engine on the real model
    (``--model-dir``, default the prepared SmolLM2-135M-Instruct; null with the reason when absent).
 5. sandbox growth (``loadtests/_sandbox_fleet.py``): the real sandbox role (bwrap, ``max_sandboxes`` = 100,
    1,000, 3,000; 16 and 100 with ``--quick``) and the reward role on the same private broker, a driver keeping
@@ -116,15 +116,15 @@ class Plan:
 
 def sim_options(token_scale: int, time_scale: float) -> Any:
     """The roofline of one H100 SXM serving Qwen2.5-7B, each synthetic token standing for ``token_scale``."""
-    from actors.inference.sim.roofline import Roofline
-    from actors.inference.sim.server import SimOptions
+    from modelserver.sim.roofline import Roofline
+    from modelserver.sim.server import SimOptions
 
     return SimOptions(roofline=Roofline(), time_scale=time_scale, token_scale=token_scale)
 
 
 async def _serve_sims(n: int, token_scale: int, time_scale: float, urls_file: Path) -> None:
-    from actors.inference.local.server import ServerConfig
-    from actors.inference.sim.server import serve_sim
+    from modelserver.local.server import ServerConfig
+    from modelserver.sim.server import serve_sim
 
     urls: list[str] = []
     bound = asyncio.Event()
@@ -349,7 +349,7 @@ def calibration(model_dir: Path | None, quick: bool, work: Path) -> dict[str, An
     if model_dir is None or not (model_dir / "config.json").exists():
         return {"calibration_error": None, "calibration_note": f"no model directory at {model_dir}: not calibrated"}
     out = work / "calibration.json"
-    argv = [sys.executable, "-m", "actors.inference.sim.calibrate", "--model-dir", str(model_dir), "--json", str(out)]
+    argv = [sys.executable, "-m", "modelserver.sim.calibrate", "--model-dir", str(model_dir), "--json", str(out)]
     if quick:
         argv += ["--quick", "--repeats", "2"]
     proc = subprocess.run(argv, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
@@ -365,7 +365,7 @@ def calibration(model_dir: Path | None, quick: bool, work: Path) -> dict[str, An
 # -- the benchmark -----------------------------------------------------------------------------------
 
 def run(plan: Plan, work: Path, model_dir: Path | None, *, log: Any = print) -> dict[str, Any]:
-    from actors.llm import write_tiny_model_dir
+    from modelserver.llm import write_tiny_model_dir
     from loadtests._cluster import Stack
 
     tiny = write_tiny_model_dir(work / "tiny-model")  # the inference actor's tokenizer; the sim learner's model

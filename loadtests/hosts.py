@@ -186,7 +186,7 @@ class Hosts(Chaos):
         self.host_kills: list[dict[str, Any]] = []
 
     def setup(self) -> None:
-        from actors.llm import write_tiny_model_dir
+        from modelserver.llm import write_tiny_model_dir
         from engine.config import EngineConfig
 
         self.stack.start()

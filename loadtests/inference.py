@@ -37,8 +37,8 @@ MEMORY_LIMIT_GB = 16  # child address-space cap: leaves room on a 24 GiB machine
 
 
 def _engine_and_tokenizer(max_batch: int):  # type: ignore[no-untyped-def]
-    from actors.inference.local.engine import LocalEngine
-    from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+    from modelserver.local.engine import LocalEngine
+    from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tiny_config(len(tok)), seed=0)
@@ -46,7 +46,7 @@ def _engine_and_tokenizer(max_batch: int):  # type: ignore[no-untyped-def]
 
 
 async def _throughput(concurrency: int, requests_per_stream: int, new_tokens: int) -> float:
-    from actors.inference.local.protocol import SamplingParams
+    from modelserver.local.protocol import SamplingParams
 
     engine, tok = _engine_and_tokenizer(max_batch=max(concurrency, 1))
     await engine.start()
@@ -76,8 +76,8 @@ def _prefill_child(mode: str, length: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_GB << 30, MEMORY_LIMIT_GB << 30))
     import torch
 
-    from actors.inference.local.runner import SlotRunner
-    from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+    from modelserver.local.runner import SlotRunner
+    from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tiny_config(len(tok), max_position_embeddings=65536), seed=0)
@@ -109,7 +109,7 @@ REAL_QUESTIONS = (
 
 def _real_requests(tok, n: int) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
     """``n`` chat-templated prompts with 16..64 new tokens each (deterministic)."""
-    from actors.llm import render_prompt
+    from modelserver.llm import render_prompt
 
     out = []
     for i in range(n):
@@ -119,8 +119,8 @@ def _real_requests(tok, n: int) -> list[tuple[list[int], int]]:  # type: ignore[
 
 
 async def _engine_real(model, tok, requests: list[tuple[list[int], int]], dtype: str = "fp32") -> float:  # type: ignore[no-untyped-def]
-    from actors.inference.local.engine import LocalEngine
-    from actors.inference.local.protocol import SamplingParams
+    from modelserver.local.engine import LocalEngine
+    from modelserver.local.protocol import SamplingParams
 
     engine = LocalEngine(model, tok, max_batch=len(requests), chunk_size=CHUNK, dtype=dtype)
     await engine.start()
@@ -163,7 +163,7 @@ def real_model(model_dir: Path, n: int, threads: int, dtype: str = "fp32") -> di
     """
     import torch
 
-    from actors.llm import load_model_dir
+    from modelserver.llm import load_model_dir
 
     torch.set_num_threads(threads)
     model, tok = load_model_dir(model_dir)

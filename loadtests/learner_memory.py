@@ -5,7 +5,7 @@ Variants (each runs in its own child process, so its peak RSS is its own ``ru_ma
 - ``packed``: the learner as configured by default: samples that share a prompt packed into one row
   (prompt computed once), micro-batches under ``micro_batch_tokens`` with gradient accumulation,
   log-probs from the hidden states of response positions only, output projection + log-softmax in
-  checkpointed chunks (``actors/learner_core.py``).
+  checkpointed chunks (``learning/core.py``).
 - ``unpacked``: the same, one row per sample (``share_prefix = false``).
 - ``naive``: what the learner did before: the whole batch in one forward pass, full-vocabulary logits
   and log-softmax at every position, one backward.
@@ -51,7 +51,7 @@ def _model_dir(arg: str | None, quick: bool) -> str | None:
     if os.environ.get("ROLLOUT_MODEL_DIR"):
         return os.environ["ROLLOUT_MODEL_DIR"]
     try:
-        from actors.model_prepare import require_model_dir  # type: ignore[import-not-found]
+        from modelserver.prepare import require_model_dir  # type: ignore[import-not-found]
         return str(require_model_dir("smollm2-135m"))
     except Exception as exc:  # missing module or model: only --quick may go on without a real model
         if quick:
@@ -92,7 +92,7 @@ def _naive_step(model: Any, optimizer: Any, samples: list[Any]) -> dict[str, flo
     """The learner's step before this change: full batch, full-vocabulary logits and log-softmax."""
     import torch
 
-    from actors.learner_core import collate, policy_loss
+    from learning.core import collate, policy_loss
 
     batch = collate(samples)
     model.train()
@@ -119,8 +119,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     import torch
 
-    from actors.learner_core import Learner
-    from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
+    from learning.core import Learner
+    from modelserver.llm import build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config
     from engine.config import LearnerConfig
 
     torch.set_num_threads(args.threads)

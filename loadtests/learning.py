@@ -415,7 +415,7 @@ def run_trl(plan: Plan) -> SystemResult:
 
 def engine_domain() -> str:
     """``math`` (the plain loop's task as an engine domain) when registered, else ``arith``."""
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     return ENGINE_DOMAIN if ENGINE_DOMAIN in DOMAINS else FALLBACK_DOMAIN
 

@@ -66,7 +66,7 @@ PARTS = ("group", "decode", "tiers", "sparse")
 
 
 def _load(model_dir: Path | None, tmp: str) -> tuple[Any, Any, str]:
-    from actors.llm import load_model_dir, write_tiny_model_dir
+    from modelserver.llm import load_model_dir, write_tiny_model_dir
 
     if model_dir is not None and (model_dir / "config.json").is_file():
         model, tok = load_model_dir(model_dir)
@@ -85,7 +85,7 @@ def _chat_ids(tok: Any, prompt: str) -> list[int]:
 
 
 def _engine(model: Any, tok: Any, dtype: str, **kw: Any) -> Any:
-    from actors.inference.local.engine import LocalEngine
+    from modelserver.local.engine import LocalEngine
 
     return LocalEngine(model, tok, **{"max_batch": GROUP, "chunk_size": CHUNK, "dtype": dtype, **kw})
 
@@ -106,7 +106,7 @@ async def _complete(engine: Any, prompt: list[int], params: Any) -> tuple[Any, f
 
 async def _group(engine: Any, prompt: list[int]) -> float:
     """Submit a group of 8 samples; seconds until every one has its first token (they then finish)."""
-    from actors.inference.local.protocol import SamplingParams
+    from modelserver.local.protocol import SamplingParams
 
     t0 = time.monotonic()
     seqs = [engine.submit(prompt, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True, sampling_seed=i))
@@ -150,7 +150,7 @@ async def measure_group_admission(model: Any, tok: Any, dtype: str, prompts: lis
     """Groups of 8 samples (one distinct prompt each) through a pool that holds 3 samples' worst cases:
     admitted on the prompt blocks a group's samples share against each counted at its whole worst case
     (``LocalEngine.admission_credit``). Seconds until every sample finished, and the most running at once."""
-    from actors.inference.local.protocol import SamplingParams
+    from modelserver.local.protocol import SamplingParams
 
     block = 16
     worst = max(-(-(len(p) + new_tokens) // block) for p in prompts)
@@ -194,7 +194,7 @@ def measure_decode(model: Any, n_seqs: int, context: int, steps: int) -> dict[st
     """
     from transformers import DynamicCache
 
-    from actors.inference.local.runner import PagedRunner, SlotRunner
+    from modelserver.local.runner import PagedRunner, SlotRunner
 
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
@@ -271,7 +271,7 @@ def kv_budget(model: Any) -> dict[str, Any]:
 
 async def measure_int8_tier(model: Any, tok: Any, dtype: str, prompts: list[list[int]], new_tokens: int = 8) -> dict[str, Any]:
     """Prompts through an engine whose hot prefix tier holds one of them: the rest go down to int8; then again."""
-    from actors.inference.local.protocol import SamplingParams
+    from modelserver.local.protocol import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     hot = max(len(p) for p in prompts) + new_tokens + 1
@@ -301,7 +301,7 @@ async def measure_disk_tier(model: Any, tok: Any, dtype: str, prompts: list[list
                             ) -> dict[str, Any]:
     """The first prompt pushed down hot -> int8 -> disk by the others, then sent again: its time to first
     token restored from disk against computing it (an engine that retains nothing), greedy agreement."""
-    from actors.inference.local.protocol import SamplingParams
+    from modelserver.local.protocol import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     one = max(len(p) for p in prompts) + new_tokens + 1
@@ -338,8 +338,8 @@ async def measure_disk_tier(model: Any, tok: Any, dtype: str, prompts: list[list
 
 async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, window: int,
                          sinks: int) -> dict[str, Any]:
-    from actors.domains.longdoc import MAX_NEW_TOKENS, is_correct, longdoc_format, longdoc_tasks
-    from actors.inference.local.protocol import SamplingParams
+    from domains.longdoc import MAX_NEW_TOKENS, is_correct, longdoc_format, longdoc_tasks
+    from modelserver.local.protocol import SamplingParams
 
     tasks = longdoc_tasks(n, tokens, seed=0)
     prompts = [_chat_ids(tok, prompt) for prompt, _ in tasks]
@@ -384,7 +384,7 @@ async def measure_sparse(model: Any, tok: Any, dtype: str, n: int, tokens: int, 
 @torch.inference_mode()
 def _answer_logprob(model: Any, prompts: list[list[int]], targets: list[str], tok: Any, **window: Any) -> float:
     """Mean log-probability per token of each task's right answer line after its prompt (teacher-forced)."""
-    from actors.inference.local.runner import PagedRunner
+    from modelserver.local.runner import PagedRunner
 
     total, count = 0.0, 0
     for prompt, target in zip(prompts, targets):
@@ -406,7 +406,7 @@ def _answer_logprob(model: Any, prompts: list[list[int]], targets: list[str], to
 
 
 def _group_prompt(tok: Any, tokens: int) -> list[int]:
-    from actors.domains.longdoc import make_longdoc_tokens
+    from domains.longdoc import make_longdoc_tokens
 
     return _chat_ids(tok, make_longdoc_tokens(random.Random(7), tokens).prompt)
 
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     sparse_n = args.sparse_tasks or sparse_n
     admit_groups, admit_tokens = (2, 1000) if args.quick else (4, 2000)
     t_start = time.monotonic()
-    from actors.domains.longdoc import make_longdoc_tokens
+    from domains.longdoc import make_longdoc_tokens
 
     result: dict[str, Any] = {"model_kind": "", "dtype": args.dtype, "quick": args.quick, "simulated": False,
                               "parts": parts}
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:
         model, tok, model_kind = _load(args.model_dir, tmp)
-        from actors.inference.local.engine import SERVING_DTYPES
+        from modelserver.local.engine import SERVING_DTYPES
 
         model = model.to(SERVING_DTYPES[args.dtype])
         result["model_kind"] = model_kind

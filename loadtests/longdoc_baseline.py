@@ -1,7 +1,7 @@
 """Long-document baseline: a real model's held-out ``longdoc`` accuracy at each document length.
 
 Why: the context-length curriculum and any long-context change (e.g. sparse attention) are judged against
-what the untrained model scores; this measures it with :func:`actors.domains.longdoc.longdoc_accuracy`
+what the untrained model scores; this measures it with :func:`domains.longdoc.longdoc_accuracy`
 (greedy decoding, the model's chat template, the domain's strict ``Answer: <value>`` format). Alongside
 the accuracy it reports how many completions had the strict format at all, since a small model's usual
 failure is the format, not the value. Nothing is simulated: the model runs on CPU with transformers.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.domains.longdoc import longdoc_accuracy, longdoc_format
+from domains.longdoc import longdoc_accuracy, longdoc_format
 
 DEFAULT_MODEL = Path.home() / ".cache/rollout-engine/models/smollm2-135m-instruct"
 

@@ -156,7 +156,7 @@ def _names(text: str, flag: str) -> list[str]:
 
 def check_domain(name: str, flag: str) -> bool:
     """Whether ``name`` is multi-turn; BadInput when it is unknown, not trainable or has no held-out split."""
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     try:
         domain = DOMAINS[name]
@@ -749,7 +749,7 @@ def run(args: argparse.Namespace, systems: list[str], domains: DomainSet, *,
         save_root = Path(args.save_dir).resolve() if args.save_dir else work / "saved"
         save_root.mkdir(parents=True, exist_ok=True)
         if args.quick:
-            from actors.llm import write_tiny_model_dir
+            from modelserver.llm import write_tiny_model_dir
 
             model_dir = str(write_tiny_model_dir(work / "tiny-model", seed=0))
         else:

@@ -81,7 +81,7 @@ from opentelemetry.trace import SpanKind
 
 from actors import tracing  # noqa: E402
 from actors.inference.actor import InferenceActor  # noqa: E402
-from actors.inference.launch import LocalServer  # noqa: E402
+from modelserver.launch import LocalServer  # noqa: E402
 from actors.reward import RewardActor  # noqa: E402
 from actors.runtime import Runtime  # noqa: E402
 from actors.sandbox import SandboxResources, VerifyActor  # noqa: E402
@@ -412,7 +412,7 @@ class PipelineStage(Stage):
         self.server_pid: int | None = None
 
     async def start_actors(self, rt: Runtime, stack: contextlib.AsyncExitStack) -> list[Actor]:
-        from actors.llm import load_model_dir, write_tiny_model_dir  # torch: only this stage needs it
+        from modelserver.llm import load_model_dir, write_tiny_model_dir  # torch: only this stage needs it
 
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rollout-tracing-overhead-")))
         model_dir = write_tiny_model_dir(work / "model", seed=0)

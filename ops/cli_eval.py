@@ -70,7 +70,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _domain_counts(pairs: list[str]) -> dict[str, int]:
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
 
     out: dict[str, int] = {}
     for pair in pairs:
@@ -108,7 +108,7 @@ def load_tasks(args: argparse.Namespace) -> list[Any]:
 
 
 async def _check_url(url: str) -> None:
-    from actors.inference.sglang_client import SGLangClient
+    from modelserver.client import SGLangClient
 
     try:
         async with SGLangClient([url], timeout=10, retries=0) as client:
@@ -140,7 +140,7 @@ async def run_eval(args: argparse.Namespace, tasks: list[Any]) -> tuple[dict[str
 async def _run_or_policy_error(args: argparse.Namespace, tasks: list[Any]) -> tuple[dict[str, Any], list[Any]]:
     """:func:`run_eval`, a policy that stops answering mid-run (a request timing out, a dropped connection) as
     a :class:`PolicyError` naming the first failure."""
-    from actors.inference.sglang_client import SGLangError
+    from modelserver.client import SGLangError
 
     try:
         return await run_eval(args, tasks)
@@ -215,13 +215,13 @@ async def _published_weights(config_path: str, scratch: Path) -> Path:
 
 async def _serve_and_play(model_dir: Path, tasks: list[Any], kwargs: dict[str, Any]) -> list[Any]:
     from actors.evaluate import run_episodes
-    from actors.inference.backends import inference_backend
-    from actors.inference.launch import LocalServerError
+    from modelserver.backends import inference_backend
+    from modelserver.launch import LocalServerError
     from engine.config import InferenceConfig
 
     if not model_dir.is_dir():
         raise EvalInputError(f"model directory {model_dir}: no such directory")
-    from actors.model_dir import ModelDirError, check_model_dir
+    from modelserver.model_dir import ModelDirError, check_model_dir
 
     try:
         check_model_dir(model_dir)

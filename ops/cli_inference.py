@@ -87,8 +87,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _calibrate_sim(args: argparse.Namespace) -> int:
-    from actors.inference.sim.calibrate import main
-    from actors.model_dir import ModelDirError, check_model_dir
+    from modelserver.sim.calibrate import main
+    from modelserver.model_dir import ModelDirError, check_model_dir
 
     try:
         check_model_dir(args.model_dir)
@@ -99,7 +99,7 @@ def _calibrate_sim(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from actors.inference.local.server import InsecureBindError, ModelLoadError, ServerConfig, is_loopback, serve
+    from modelserver.local.server import InsecureBindError, ModelLoadError, ServerConfig, is_loopback, serve
 
     if args.max_batch < 1 or args.chunk_size < 1:
         print("rollout inference serve: --max-batch and --chunk-size must be at least 1", file=sys.stderr)
@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout inference serve: --attention-sinks must be >= 0, got {args.attention_sinks}", file=sys.stderr)
         return 2
     if args.model_dir is not None:
-        from actors.model_dir import ModelDirError, check_model_dir
+        from modelserver.model_dir import ModelDirError, check_model_dir
 
         try:  # before torch loads anything: a bad directory is named with the file and what is wrong
             check_model_dir(args.model_dir)
@@ -185,7 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
         # SIGTERM drains like Ctrl-C: the server task is cancelled and cleans up (aborts, temp model dir).
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
         if args.backend == "sim":
-            from actors.inference.sim.server import SimOptions, serve_sim
+            from modelserver.sim.server import SimOptions, serve_sim
 
             await serve_sim(config, SimOptions(time_scale=args.time_scale), on_bound=announce)
             return

@@ -39,8 +39,8 @@ def _log(message: str) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from actors.model_dir import ModelDirError
-    from actors.model_prepare import ModelPrepareError, convert_gguf, prepare_model
+    from modelserver.model_dir import ModelDirError
+    from modelserver.prepare import ModelPrepareError, convert_gguf, prepare_model
 
     if (args.gguf is None) == (args.name is None):
         print("rollout model prepare: give a model NAME or --gguf FILE --out DIR", file=sys.stderr)
@@ -62,7 +62,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from actors.model_prepare import MODELS, cached_model_dir
+    from modelserver.prepare import MODELS, cached_model_dir
 
     for name, model in MODELS.items():
         path = cached_model_dir(name, args.cache_dir)
@@ -72,7 +72,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from actors.model_dir import ModelDirError, check_model_dir
+    from modelserver.model_dir import ModelDirError, check_model_dir
 
     try:
         config = check_model_dir(args.path, need_chat_template=args.chat_template, min_context=args.min_context)

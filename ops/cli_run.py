@@ -22,7 +22,7 @@ import traceback
 
 import anyio
 
-from actors.model_dir import check_config_model_dir
+from modelserver.model_dir import check_config_model_dir
 from engine.config import ROLES, ConfigError, EngineConfig, load_config
 
 log = logging.getLogger("rollout.run")
@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def failure_line(exc: BaseException) -> str:
     """One line for a failure: the engine's own errors say what and where; anything else also its type."""
-    from actors.inference.launch import LocalServerError
+    from modelserver.launch import LocalServerError
     from engine.actor import SupervisorGaveUp
     from ops.deployment import StartupError
     from streams.kafka import StreamError

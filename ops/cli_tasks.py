@@ -59,7 +59,7 @@ def _mapping(pairs: list[str]) -> dict[str, str]:
 
 def _load(args: argparse.Namespace, command: str) -> "TaskFile | None":
     """The task file, or None after printing its first error as ``rollout tasks COMMAND: ...``."""
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
     from engine.tasks import TaskFile, TaskFileError
 
     try:

@@ -25,10 +25,10 @@ from typing import Any
 
 import anyio
 
-from actors.domains import DOMAINS, score
+from domains import DOMAINS, score
 from actors.evaluate import DomainScore, evaluate
 from actors.inference.actor import format_observation
-from actors.inference.launch import LocalServer
+from modelserver.launch import LocalServer
 from engine.config import EngineConfig, load_config
 from engine.schemas import Experience
 from streams.kafka import Consumer
@@ -120,7 +120,7 @@ def real_config(namespace: str, bootstrap: str, nats_url: str, run_dir: Path, pl
 
 
 async def run_real_demo(run_dir: Path, plan: RealPlan, bootstrap: str, nats_url: str, config_path: str | None) -> int:
-    from actors.model_prepare import prepare_model
+    from modelserver.prepare import prepare_model
 
     run_dir.mkdir(parents=True, exist_ok=True)
     namespace = f"demo-{int(time.time())}"
@@ -183,8 +183,8 @@ def demonstrations(n: int, seed: int) -> list[tuple[str, str]]:
 def warm_start(model_dir: Path, plan: DemoPlan) -> None:
     import torch
 
-    from actors.learner_core import sft_warm_start
-    from actors.llm import build_char_tokenizer, build_tiny_model, save_model_dir, tiny_config
+    from learning.core import sft_warm_start
+    from modelserver.llm import build_char_tokenizer, build_tiny_model, save_model_dir, tiny_config
 
     torch.manual_seed(plan.seed)
     torch.set_num_threads(1)  # see LearnerConfig.torch_threads

@@ -36,7 +36,7 @@ def ensure_model_dir(cfg: EngineConfig, run_dir: Path) -> Path:
     """
     if cfg.inference.model_dir:
         return Path(cfg.inference.model_dir)
-    from actors.llm import write_tiny_model_dir
+    from modelserver.llm import write_tiny_model_dir
 
     path = run_dir / "model"
     if not (path / "config.json").exists():
@@ -49,7 +49,7 @@ def load_plugins(cfg: EngineConfig) -> None:
 
     Raises :class:`StartupError` naming the plugin that fails to load.
     """
-    from actors.domains import load_domain_plugins
+    from domains import load_domain_plugins
     from engine.registry import PluginError
 
     try:
@@ -119,7 +119,7 @@ class Deployment:
             from transformers import AutoTokenizer
 
             from actors.inference.actor import InferenceActor
-            from actors.inference.backends import inference_backend
+            from modelserver.backends import inference_backend
 
             assert self.model_dir is not None
             urls = list(self.cfg.inference.urls)
@@ -183,7 +183,7 @@ class Deployment:
         model_dir = self.cfg.inference.model_dir
         if not model_dir or not {"inference", "learner"} & set(self.roles):
             return
-        from actors.model_dir import ModelDirError, check_model_dir
+        from modelserver.model_dir import ModelDirError, check_model_dir
 
         try:
             check_model_dir(model_dir)

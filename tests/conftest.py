@@ -43,7 +43,7 @@ def real_model_dir():
     A machine without it fails the test with the command that prepares it (ops/bootstrap.sh runs it);
     it is never skipped. Treat the directory as read-only: build variants in tmp_path with symlinks.
     """
-    from actors.model_prepare import ModelNotPrepared, require_model_dir
+    from modelserver.prepare import ModelNotPrepared, require_model_dir
 
     try:
         return require_model_dir("smollm2-135m")

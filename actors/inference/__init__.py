@@ -1,4 +1,4 @@
-"""Inference: the SGLang HTTP client and the `local` SGLang-protocol server.
+"""The inference role (``actor.py``): it drives a model server (``modelserver/``) through its client.
 
-Nothing is imported eagerly here: the client must not pay for importing torch.
+Nothing is imported eagerly here: importing the role's package must not pay for importing torch.
 """

@@ -36,8 +36,8 @@ import anyio
 import numpy as np
 
 from actors import tracing
-from actors.llm import has_chat_template, render_observation, render_prompt
-from actors.inference.sglang_client import GenerateResult, SGLangClient, SGLangError
+from modelserver.llm import has_chat_template, render_observation, render_prompt
+from modelserver.client import GenerateResult, SGLangClient, SGLangError
 from actors.runtime import INFRA_ERRORS, Released, Runtime, StreamActor
 from engine.schemas import EPISODES_FULL, SANDBOX_ERROR, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
 from streams.kafka import Consumer

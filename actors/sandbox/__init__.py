@@ -5,7 +5,7 @@
   shell session, or a tool executor), ``step`` runs one model reply in it, ``close`` judges the final state and gives the sandbox back (the pool resets it to pristine). Every reply goes to
   ``rollout.sandbox.results`` at the request's ``reply_partition``, key episode_id.
 - :class:`VerifyActor` consumes ``rollout.completions`` (key task_id), runs the verifier of the
-  completion's domain (``actors.domains.DOMAINS``; a built-in one named in ``spec["verifier"]``
+  completion's domain (``domains.DOMAINS``; a built-in one named in ``spec["verifier"]``
   overrides it) and emits an :class:`~engine.schemas.Outcome` to ``rollout.outcomes``, key task_id.
 
 Invariants:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from opentelemetry import trace
 
-from actors.domains import DOMAINS, Episode
+from domains import DOMAINS, Episode
 from actors.runtime import Runtime
 from actors.sandbox.resources import SandboxResources, _SandboxActorBase
 from actors.sandbox.settings import clamp_spec

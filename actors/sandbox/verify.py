@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from opentelemetry import trace
 
-from actors.domains import DOMAINS
+from domains import DOMAINS
 from actors.runtime import Runtime
 from actors.sandbox.resources import SandboxResources, _SandboxActorBase
 from actors.sandbox.settings import clamp_spec

@@ -16,7 +16,7 @@ import anyio
 import numpy as np
 import pytest
 
-from actors.domains import Domain, GeneratedTask, register_domain, unregister_domain
+from domains import Domain, GeneratedTask, register_domain, unregister_domain
 from actors.reward import RewardActor
 from actors.runtime import Runtime
 from actors.sandbox import SandboxResources, build_sandbox_actors

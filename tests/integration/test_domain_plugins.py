@@ -24,7 +24,7 @@ PLUGIN = '''
 """A third party's domains: one single-turn, one multi-turn shell domain, in one file."""
 import random
 
-from actors.domains import Domain, GeneratedTask, answer_reward
+from domains import Domain, GeneratedTask, answer_reward
 
 
 def make_upper(rng: random.Random, difficulty: float) -> GeneratedTask:
@@ -98,7 +98,7 @@ def test_config_plugins_load_and_a_bad_one_is_one_line(tmp_path: Path) -> None:
 
 def test_an_entry_point_domain_is_evaluated_end_to_end(tmp_path: Path) -> None:
     """`rollout eval` in its own process: the plugin's tasks on the local server, its verifiers, a real sandbox."""
-    from actors.llm import write_tiny_model_dir
+    from modelserver.llm import write_tiny_model_dir
 
     model = write_tiny_model_dir(tmp_path / "model", seed=0)
     site = _plugin_site(tmp_path, "[rollout_engine.domains]\nacme = acme_domains:DOMAINS\n")

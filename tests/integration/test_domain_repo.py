@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.domains.repo import TEMPLATES, RepoEpisode, load_task_dir, render_task, repo_reward, verify_repo
-from actors.domains import DOMAINS
+from domains.repo import TEMPLATES, RepoEpisode, load_task_dir, render_task, repo_reward, verify_repo
+from domains import DOMAINS
 from sandboxes import Limits, open_sandbox
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -155,7 +155,7 @@ def test_task_directory_errors_name_the_missing_part(tmp_path: Path) -> None:
 async def test_episode_actor_runs_repo_episodes_through_the_domains_episode() -> None:
     """What EpisodeActor opens for the repo domain (``Domain.new_episode``): a pooled sandbox, replies in,
     ``tool`` messages out; the shell domains get the terminal episode from the same interface."""
-    from actors.domains.repo import RepoTerminalEpisode
+    from domains.repo import RepoTerminalEpisode
     from sandboxes import SandboxPool
     from sandboxes.verifiers import TerminalEpisode
 

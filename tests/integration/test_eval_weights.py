@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from actors.llm import load_model_dir, save_model_dir, write_tiny_model_dir
+from modelserver.llm import load_model_dir, save_model_dir, write_tiny_model_dir
 from engine.config import NatsConfig
 from engine.topics import Names
 from ops.cli_eval import PolicyError, policy_dir

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from actors.evaluate import evaluate
-from actors.inference.launch import LocalServer
+from modelserver.launch import LocalServer
 from ops.demo import DemoPlan, warm_start
 
 pytestmark = pytest.mark.anyio

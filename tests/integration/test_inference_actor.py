@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from actors.inference.actor import InferenceActor
-from actors.inference.launch import LocalServer
-from actors.llm import load_model_dir, save_model_dir, write_tiny_model_dir
+from modelserver.launch import LocalServer
+from modelserver.llm import load_model_dir, save_model_dir, write_tiny_model_dir
 from actors.runtime import Runtime
 from engine.actor import RestartPolicy, Supervisor
 from engine.config import EngineConfig, InferenceConfig, KafkaConfig, NatsConfig, SchedulerConfig

@@ -22,13 +22,13 @@ import aiohttp
 import pytest
 import torch
 
-from actors.inference.sglang_client import (
+from modelserver.client import (
     GenerateResult,
     SGLangClient,
     SGLangHTTPError,
     SGLangWeightUpdateError,
 )
-from actors.llm import load_model_dir, save_model_dir, write_tiny_model_dir
+from modelserver.llm import load_model_dir, save_model_dir, write_tiny_model_dir
 from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -511,8 +511,8 @@ async def test_serve_with_a_key_from_the_environment_guards_every_endpoint_but_h
 
 @pytest.mark.anyio
 async def test_embedded_server_gets_the_configured_key(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    """What `rollout run` starts (actors/inference/launch.py): the key reaches the child, not its argv."""
-    from actors.inference.launch import LocalServer
+    """What `rollout run` starts (modelserver/launch.py): the key reaches the child, not its argv."""
+    from modelserver.launch import LocalServer
 
     server = LocalServer(model_dirs[0], log_path=tmp_path / "server.log", max_batch=4, api_key="run-k3y")
     async with server as url:

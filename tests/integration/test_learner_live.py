@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from actors.learner import LearnerActor
-from actors.learner_core import StepReport
-from actors.llm import load_model_dir, write_tiny_model_dir
+from learning.core import StepReport
+from modelserver.llm import load_model_dir, write_tiny_model_dir
 from actors.runtime import Runtime
 from engine.config import EngineConfig, KafkaConfig, LearnerConfig, NatsConfig, SchedulerConfig
 from engine.schemas import Experience

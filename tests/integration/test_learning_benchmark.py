@@ -22,7 +22,7 @@ def real_model_dir() -> str:
     if os.environ.get("ROLLOUT_MODEL_DIR"):
         return os.environ["ROLLOUT_MODEL_DIR"]
     try:
-        from actors.model_prepare import cached_model_dir  # type: ignore[import-not-found]
+        from modelserver.prepare import cached_model_dir  # type: ignore[import-not-found]
     except ImportError:
         cached_model_dir = None
     path = cached_model_dir("smollm2-135m") if cached_model_dir is not None else None

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.llm import load_model_dir
-from actors.model_dir import check_model_dir
-from actors.model_prepare import cached_model_dir
+from modelserver.llm import load_model_dir
+from modelserver.model_dir import check_model_dir
+from modelserver.prepare import cached_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -59,7 +59,7 @@ def test_the_trl_reward_is_the_engines_verifier_and_reward_with_code_in_a_sandbo
     full reward and a wrong one none, code run in a real bwrap sandbox; conversational and plain completions alike."""
     import random
 
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
     from loadtests._trl_multidomain import engine_rewards
 
     names = ["arith", "code", "math"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from actors.tools import BUILTIN_TOOLS
+from engine.tools import BUILTIN_TOOLS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def test_a_conversation_with_tool_calls_and_results_renders_as_training_renders_
     is in it (dropping it or the call shortens the prompt)."""
     from transformers import AutoTokenizer
 
-    from actors.tools import render_tool_messages
+    from engine.tools import render_tool_messages
 
     tokenizer = AutoTokenizer.from_pretrained(str(real_model_dir), local_files_only=True)
     status, raw = _post(server_url + "/v1/chat/completions",

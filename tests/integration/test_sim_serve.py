@@ -56,9 +56,9 @@ def test_sim_backend_serves_the_sglang_protocol() -> None:
 def test_sim_is_a_registered_backend_a_deployment_can_launch(tmp_path: Path) -> None:
     import anyio
 
-    from actors.inference.backends import inference_backend
-    from actors.inference.sglang_client import SGLangClient
-    from actors.llm import build_char_tokenizer, build_tiny_model, save_model_dir, tiny_config
+    from modelserver.backends import inference_backend
+    from modelserver.client import SGLangClient
+    from modelserver.llm import build_char_tokenizer, build_tiny_model, save_model_dir, tiny_config
     from engine.config import InferenceConfig
 
     tok = build_char_tokenizer()

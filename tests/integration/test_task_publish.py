@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from actors.domains import DOMAINS
+from domains import DOMAINS
 from actors.runtime import Runtime
 from actors.scheduler import SchedulerActor
 from engine.config import EngineConfig, KafkaConfig, LearnerConfig, NatsConfig, SchedulerConfig

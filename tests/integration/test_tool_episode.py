@@ -34,16 +34,16 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from actors.domains import DOMAINS
-from actors.domains.repo import TEMPLATES, render_task
+from domains import DOMAINS
+from domains.repo import TEMPLATES, render_task
 from actors.evaluate import EvalTask, run_episodes
 from actors.inference.actor import InferenceActor, observation_ids
-from actors.inference.launch import LocalServer
-from actors.inference.sglang_client import GenerateResult, SSEParser
-from actors.llm import render_prompt
+from modelserver.launch import LocalServer
+from modelserver.client import GenerateResult, SSEParser
+from modelserver.llm import render_prompt
 from actors.runtime import Runtime
 from actors.sandbox import SandboxResources, build_sandbox_actors
-from actors.tools import BUILTIN_TOOLS
+from engine.tools import BUILTIN_TOOLS
 from engine.actor import RestartPolicy, Supervisor
 from engine.config import EngineConfig, InferenceConfig, KafkaConfig, SandboxConfig
 from engine.schemas import Completion, Outcome, SandboxResult, Task

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from actors.export import ExportFilter, SftView, export_jsonl
 from actors.learner import LearnerActor
-from actors.learner_core import StepReport
+from learning.core import StepReport
 from engine.config import (EngineConfig, EvalConfig, InferenceConfig, KafkaConfig, LearnerConfig, NatsConfig,
                            RewardConfig, SandboxConfig, SchedulerConfig)
 from engine.schemas import EvalResult, Experience, Task

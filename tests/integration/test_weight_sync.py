@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from actors.inference.local.engine import LocalEngine, Sequence
-from actors.inference.local.protocol import SamplingParams
+from modelserver.local.engine import LocalEngine, Sequence
+from modelserver.local.protocol import SamplingParams
 from actors.learner import save_weights
-from actors.llm import build_tiny_model, load_model_dir, tiny_config, write_tiny_model_dir
+from modelserver.llm import build_tiny_model, load_model_dir, tiny_config, write_tiny_model_dir
 from engine.config import NatsConfig
 from engine.topics import Names
 from streams.nats import Nats
@@ -32,7 +32,7 @@ def real_model_dir() -> Path:
     found = os.environ.get("ROLLOUT_MODEL_DIR")
     if not found:
         try:
-            from actors.model_prepare import cached_model_dir  # type: ignore[import-not-found]
+            from modelserver.prepare import cached_model_dir  # type: ignore[import-not-found]
         except ImportError:
             cached_model_dir = None
         if cached_model_dir is not None:

@@ -12,7 +12,7 @@ INFRASTRUCTURE = {"kafka", "nats", "docker", "torch", "sglang", "opentelemetry"}
 # against the backend registries, imported inside the validators (function-level), so that a name
 # registered by a plugin module is accepted. The registries themselves import no infrastructure at
 # import time (their built-in backends load on first lookup).
-REGISTRY_LOOKUPS = {"engine.config": {"actors.inference.backends", "sandboxes.registry"}}
+REGISTRY_LOOKUPS = {"engine.config": {"modelserver.backends", "sandboxes.registry"}}
 
 
 def test_generated_module_map_is_current() -> None:

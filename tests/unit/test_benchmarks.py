@@ -11,8 +11,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from actors.domains import DOMAINS
-from actors.domains.benchmarks import candidate_program, gsm8k_answer, humaneval_problems
+from domains import DOMAINS
+from domains.benchmarks import candidate_program, gsm8k_answer, humaneval_problems
 from engine.eval_stats import mean_interval, pass_at_k, wilson_interval
 from engine.tasks import LAYOUTS, TaskFile, TaskFileError
 from ops.cli import main as cli_main

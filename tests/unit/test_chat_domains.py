@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.domains import DOMAINS, score
+from domains import DOMAINS, score
 from engine.config import load_config
 from sandboxes.verifiers import extract_answer_by, verify_answer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.domains.longdoc import difficulty_for_tokens
+from domains.longdoc import difficulty_for_tokens
 from actors.scheduler import Curriculum, length_curriculum
 from engine.config import LengthCurriculumConfig, SchedulerConfig
 from engine.curriculum import LengthCurriculum

@@ -9,9 +9,9 @@ import anyio
 import pytest
 from tokenizers import Tokenizer
 
-from actors.domains.longdoc import (LONGDOC, MAX_TOKENS, MIN_TOKENS, difficulty_for_tokens, longdoc_accuracy,
+from domains.longdoc import (LONGDOC, MAX_TOKENS, MIN_TOKENS, difficulty_for_tokens, longdoc_accuracy,
                                    longdoc_format, longdoc_tasks, make_longdoc_tokens, tokens_for_difficulty)
-from actors.domains import DOMAINS, is_heldout, score
+from domains import DOMAINS, is_heldout, score
 from sandboxes.verifiers import verify_answer
 
 MODEL_TOKENIZER = Path.home() / ".cache/rollout-engine/models/smollm2-135m-instruct/tokenizer.json"

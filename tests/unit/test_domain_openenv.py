@@ -1,4 +1,4 @@
-"""actors/domains/openenv.py: an OpenEnv-style environment (reset/step observations with done and reward) as a
+"""domains/openenv.py: an OpenEnv-style environment (reset/step observations with done and reward) as a
 domain, single- and multi-turn. The environment here is a small one written against OpenEnv's interface
 (pydantic Action/Observation, ``reset(seed=)``, ``step(action)``); the adapter sits above that interface."""
 
@@ -10,7 +10,7 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
-from actors.domains.openenv import observation_text, openenv_domain
+from domains.openenv import observation_text, openenv_domain
 
 
 class GuessAction(BaseModel):

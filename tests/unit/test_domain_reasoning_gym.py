@@ -1,4 +1,4 @@
-"""actors/domains/reasoning_gym.py: reasoning-gym's datasets as the domain family ``rg:NAME``.
+"""domains/reasoning_gym.py: reasoning-gym's datasets as the domain family ``rg:NAME``.
 
 Runs against the installed reasoning-gym (the ``domains`` extra, installed by ops/bootstrap.sh); the test of
 an engine without it makes the package unimportable in a child process."""
@@ -18,8 +18,8 @@ import anyio
 import msgpack
 import pytest
 
-from actors.domains import DOMAINS, is_heldout
-from actors.domains import reasoning_gym as rg
+from domains import DOMAINS, is_heldout
+from domains import reasoning_gym as rg
 from engine.schemas import Task
 from streams.codec import decode, encode
 
@@ -121,7 +121,7 @@ def test_higher_difficulty_means_a_higher_curriculum_level() -> None:
 
 
 def test_held_out_tasks_are_the_same_in_processes_with_different_hash_seeds() -> None:
-    code = ("import json; from actors.domains import DOMAINS; from actors.domains.reasoning_gym import dataset; "
+    code = ("import json; from domains import DOMAINS; from domains.reasoning_gym import dataset; "
             "print(json.dumps({n: DOMAINS[n].heldout(6, seed=3, difficulty=0.5) "
             "for n in ('rg:chain_sum', 'rg:family_relationships', 'rg:word_sorting')})); "
             "print(json.dumps([dataset('ransom_note', 0)[i]['question'] for i in range(20)]))")
@@ -206,7 +206,7 @@ def test_the_engine_works_without_reasoning_gym_and_lists_rg_names_with_the_inst
     code = """
 import json, random, sys
 sys.modules['reasoning_gym'] = None
-from actors.domains import DOMAINS
+from domains import DOMAINS
 names = DOMAINS.names()
 prompt, spec = DOMAINS['math'].generate(random.Random(1))
 try:
@@ -227,7 +227,7 @@ print(json.dumps({'rg': [n for n in names if n.startswith('rg:')], 'math': 'math
 def test_the_engine_does_not_import_reasoning_gym_until_an_rg_name_is_used() -> None:
     code = """
 import json, random, sys
-from actors.domains import DOMAINS
+from domains import DOMAINS
 DOMAINS['math'].generate(random.Random(1))
 before = 'reasoning_gym' in sys.modules
 DOMAINS['rg:chain_sum']

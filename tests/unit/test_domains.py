@@ -8,7 +8,7 @@ import anyio
 import numpy as np
 import pytest
 
-from actors.domains import DOMAINS, Domain, GeneratedTask, answer_format, code_format, is_heldout, register_domain, \
+from domains import DOMAINS, Domain, GeneratedTask, answer_format, code_format, is_heldout, register_domain, \
     reward_fn, score, terminal_format, unregister_domain
 from engine.config import RewardConfig
 from engine.schemas import Completion

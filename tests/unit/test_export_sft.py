@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from actors.export import SftView
-from actors.llm import build_char_tokenizer
+from modelserver.llm import build_char_tokenizer
 from engine.schemas import Experience
 
 TOK = build_char_tokenizer()

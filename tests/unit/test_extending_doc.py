@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.domains import DOMAINS, reward_fn, unregister_domain
-from actors.inference.backends import inference_backend, unregister_inference_backend
-from actors.inference.launch import LocalServer
+from domains import DOMAINS, reward_fn, unregister_domain
+from modelserver.backends import inference_backend, unregister_inference_backend
+from modelserver.launch import LocalServer
 from engine.config import InferenceConfig, SandboxConfig
 from sandboxes.registry import sandbox_backend, unregister_sandbox_backend
 

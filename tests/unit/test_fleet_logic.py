@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from actors.inference.local.protocol import SamplingParams
-from actors.inference.sim.engine import SimEngine
-from actors.inference.sim.roofline import Roofline
+from modelserver.local.protocol import SamplingParams
+from modelserver.sim.engine import SimEngine
+from modelserver.sim.roofline import Roofline
 from loadtests.fleet import cpu_seconds_from_stat, process_cpu_s, ratio_stats, us_per_sample
 
 pytestmark = pytest.mark.timeout(60)

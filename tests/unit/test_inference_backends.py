@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from actors.inference.backends import (inference_backend, inference_backend_names, register_inference_backend,
+from modelserver.backends import (inference_backend, inference_backend_names, register_inference_backend,
                                        unregister_inference_backend)
-from actors.inference.launch import LocalServer
+from modelserver.launch import LocalServer
 from engine.config import ConfigError, InferenceConfig, load_config
 
 

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from actors.inference.sglang_client import (
+from modelserver.client import (
     ROUTING_HEADER,
     SGLangClient,
     SGLangConnectionError,
@@ -304,7 +304,7 @@ async def test_client_sends_the_bearer_key_on_every_call(fake) -> None:  # type:
 @pytest.fixture
 async def local_app_with_key() -> AsyncIterator[str]:
     """The local server's app in-process (tiny model, built in a temp dir), requiring the key 'k3y'."""
-    from actors.inference.local.server import ServerConfig, build_app
+    from modelserver.local.server import ServerConfig, build_app
 
     server = TestServer(build_app(ServerConfig(api_key="k3y", max_batch=4, chunk_size=64)), port=0)
     await server.start_server()
@@ -343,7 +343,7 @@ async def test_local_server_requires_the_key_everywhere_but_health(local_app_wit
 
 
 def test_loopback_detection() -> None:
-    from actors.inference.local.server import is_loopback
+    from modelserver.local.server import is_loopback
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "10.1.2.3", "192.168.0.1"))
@@ -352,7 +352,7 @@ def test_loopback_detection() -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", ""])
 async def test_local_server_refuses_to_listen_beyond_loopback_without_a_key(host: str) -> None:
-    from actors.inference.local.server import InsecureBindError, ServerConfig, serve
+    from modelserver.local.server import InsecureBindError, ServerConfig, serve
 
     bound: list[int] = []
     with pytest.raises(InsecureBindError, match="without an API key"):
@@ -364,7 +364,7 @@ async def test_local_server_refuses_to_listen_beyond_loopback_without_a_key(host
 async def test_local_server_listens_on_all_interfaces_with_a_key() -> None:
     import asyncio
 
-    from actors.inference.local.server import ServerConfig, serve
+    from modelserver.local.server import ServerConfig, serve
 
     bound = asyncio.Event()
     config = ServerConfig(host="0.0.0.0", port=0, api_key="k3y", max_batch=2, chunk_size=16)

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from actors.inference.local.engine import LocalEngine, Sequence
-from actors.inference.local.protocol import BadRequest, SamplingParams, ValidationFailed, parse_generate_request
-from actors.inference.local.runner import PagedRunner, SlotRunner, UnsupportedModel
-from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+from modelserver.local.engine import LocalEngine, Sequence
+from modelserver.local.protocol import BadRequest, SamplingParams, ValidationFailed, parse_generate_request
+from modelserver.local.runner import PagedRunner, SlotRunner, UnsupportedModel
+from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
 
 @pytest.fixture
@@ -215,7 +215,7 @@ def test_packed_step_matches_full_forward(model_and_tokenizer, kind: str) -> Non
 @pytest.mark.anyio
 async def test_bf16_serving_is_seeded_and_close_to_fp32() -> None:
     """bf16 weights and cache: a seed still reproduces, logprobs are fp32 numbers near the fp32 model's."""
-    from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+    from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
     tok = build_char_tokenizer()
     reference = build_tiny_model(tiny_config(len(tok)), seed=0)

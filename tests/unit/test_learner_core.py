@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from actors.learner_checkpoint import CheckpointStore
-from actors import lora
-from actors.learner_core import (
+from learning import lora
+from learning.core import (
     Learner,
     SeenIds,
     collate,
@@ -22,7 +22,7 @@ from actors.learner_core import (
     sft_warm_start,
     unpack,
 )
-from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 from engine.config import LearnerConfig
 from engine.schemas import Experience
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors.inference.local.engine import LocalEngine
-from actors.inference.local.protocol import SamplingParams
-from actors.learner_core import collate, pack, packed_logprobs, response_logprobs, unpack
-from actors.llm import load_model_dir
+from modelserver.local.engine import LocalEngine
+from modelserver.local.protocol import SamplingParams
+from learning.core import collate, pack, packed_logprobs, response_logprobs, unpack
+from modelserver.llm import load_model_dir
 from engine.schemas import Experience
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,7 +29,7 @@ def real_model_dir() -> Path:
     if override:
         return Path(override)
     try:
-        from actors.model_prepare import require_model_dir  # type: ignore[import-not-found]
+        from modelserver.prepare import require_model_dir  # type: ignore[import-not-found]
     except ImportError:
         pytest.fail("set ROLLOUT_MODEL_DIR to a prepared SmolLM2-135M-Instruct directory")
     return Path(require_model_dir("smollm2-135m"))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from actors.learner_sim import SimulatedLearner, describe, publish_seconds, sample_tokens, step_seconds
-from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 from engine.config import ConfigError, LearnerConfig, LearnerSimulateConfig, load_config
 from engine.schemas import Experience
 

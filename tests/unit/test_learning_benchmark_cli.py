@@ -272,7 +272,7 @@ def test_the_minimal_runner_saves_the_model_the_loop_trained(tmp_path):
 
     import torch
 
-    from actors.llm import load_model_dir, write_tiny_model_dir
+    from modelserver.llm import load_model_dir, write_tiny_model_dir
 
     base = write_tiny_model_dir(tmp_path / "base", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                 num_kv_heads=1)

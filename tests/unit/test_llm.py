@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from actors.llm import CHARSET, build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config, write_tiny_model_dir
+from modelserver.llm import CHARSET, build_char_tokenizer, build_tiny_model, load_model_dir, tiny_config, write_tiny_model_dir
 
 
 def test_tokenizer_round_trips_code_math_and_shell() -> None:

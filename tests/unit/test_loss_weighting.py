@@ -1,5 +1,5 @@
 """Balanced gradients: learner.loss_weighting (token_mean | sequence_mean | domain_mean) and the learner's
-per-domain report (actors/learner_core.py)."""
+per-domain report (learning/core.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors.learner_core import (Learner, domain_report, pack, policy_loss, sample_loss_weights, token_weights,
+from learning.core import (Learner, domain_report, pack, policy_loss, sample_loss_weights, token_weights,
                                  trained_tokens)
 from actors.learner_sim import SimulatedLearner
-from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 from engine.config import LearnerConfig, LearnerSimulateConfig
 from engine.schemas import Experience
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors import model_prepare
-from actors.llm import load_model_dir, write_tiny_model_dir
-from actors.model_dir import ModelDirError, check_config_model_dir, check_model_dir, gguf_architecture
-from actors.model_prepare import ModelPrepareError, PreparableModel, prepare_model
+from modelserver import prepare as model_prepare
+from modelserver.llm import load_model_dir, write_tiny_model_dir
+from modelserver.model_dir import ModelDirError, check_config_model_dir, check_model_dir, gguf_architecture
+from modelserver.prepare import ModelPrepareError, PreparableModel, prepare_model
 from engine.config import ConfigError, load_config
 from ops.cli import main as rollout
 

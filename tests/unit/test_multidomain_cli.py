@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.domains import Domain, GeneratedTask, register_domain, unregister_domain
+from domains import Domain, GeneratedTask, register_domain, unregister_domain
 from engine.config import load_config
 from loadtests import multidomain as md
 from loadtests.learning import SystemResult
@@ -257,7 +257,7 @@ def test_a_crashing_run_is_reported_and_the_others_still_run(model_dir, tmp_path
 
 
 def test_trl_rows_mix_the_domains_and_never_hold_a_heldout_prompt():
-    from actors.domains import DOMAINS
+    from domains import DOMAINS
     from loadtests._trl_multidomain import completion_budget, training_rows
 
     rows = training_rows(["arith", "math"], per_domain=20, seed=0)

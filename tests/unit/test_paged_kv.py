@@ -7,11 +7,11 @@ import asyncio
 import pytest
 import torch
 
-from actors.inference.local.engine import LocalEngine, Sequence
-from actors.inference.local.protocol import BadRequest, SamplingParams
-from actors.inference.local.radix import BlockRadix
-from actors.inference.local.runner import OutOfBlocks, PagedRunner
-from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+from modelserver.local.engine import LocalEngine, Sequence
+from modelserver.local.protocol import BadRequest, SamplingParams
+from modelserver.local.radix import BlockRadix
+from modelserver.local.runner import OutOfBlocks, PagedRunner
+from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 

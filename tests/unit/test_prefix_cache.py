@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.inference.local.engine import LocalEngine, Sequence
-from actors.inference.local.prefix_cache import PrefixCache, common_prefix
-from actors.inference.local.protocol import SamplingParams
-from actors.inference.local.runner import SlotRunner
-from actors.llm import build_char_tokenizer, build_tiny_model, save_model_dir, tiny_config
+from modelserver.local.engine import LocalEngine, Sequence
+from modelserver.local.prefix_cache import PrefixCache, common_prefix
+from modelserver.local.protocol import SamplingParams
+from modelserver.local.runner import SlotRunner
+from modelserver.llm import build_char_tokenizer, build_tiny_model, save_model_dir, tiny_config
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -225,7 +225,7 @@ def test_a_small_window_changes_attention_consistently_in_prefill_and_decode(tok
 
 
 def test_int8_round_trip_is_close_and_four_times_smaller() -> None:
-    from actors.inference.local.prefix_cache import dequantize_int8, quantize_int8
+    from modelserver.local.prefix_cache import dequantize_int8, quantize_int8
 
     kv = torch.randn(2, 2, 3, 50, 64)
     q, scale = quantize_int8(kv)

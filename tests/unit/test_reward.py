@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from actors.domains import RewardBreakdown
+from domains import RewardBreakdown
 from actors.reward import Arrival, DomainStats, GroupAssembler, Welford, experience_message_id, group_advantages, \
     is_zero_variance
 

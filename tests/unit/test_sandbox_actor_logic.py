@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.domains import DOMAINS, Domain, register_domain, score, unregister_domain
+from domains import DOMAINS, Domain, register_domain, score, unregister_domain
 from actors.runtime import Runtime
 from actors.sandbox import (SandboxResources, SandboxSettings, VerifyActor, _KeyedLocks, clamp_spec, failed_facts,
                             pick_verifier)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.domains import DOMAINS
+from domains import DOMAINS
 from actors.scheduler import Admission, Curriculum, DomainMixer, GeneratorSource, JsonlSource, LearnerStatus
 
 

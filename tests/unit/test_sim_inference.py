@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from actors.inference.local.server import ServerConfig
-from actors.inference.sim.roofline import SMOLLM2_135M, Hardware, LengthModel, ModelShape, Roofline
-from actors.inference.sim.server import SimOptions, build_sim_app
+from modelserver.local.server import ServerConfig
+from modelserver.sim.roofline import SMOLLM2_135M, Hardware, LengthModel, ModelShape, Roofline
+from modelserver.sim.server import SimOptions, build_sim_app
 
 
 def test_roofline_formulas_follow_the_documented_model() -> None:
@@ -136,7 +136,7 @@ def test_pause_retract_keeps_partial_output_and_continue_resumes() -> None:
 
 
 def test_calibration_fit_recovers_a_line_and_reports_its_error() -> None:
-    from actors.inference.sim.calibrate import _linear_fit, _rel_error
+    from modelserver.sim.calibrate import _linear_fit, _rel_error
 
     xs = [32.0, 128.0, 256.0, 512.0]
     ys = [0.1 + 0.002 * x for x in xs]
@@ -149,8 +149,8 @@ def test_calibration_fit_recovers_a_line_and_reports_its_error() -> None:
 def test_serve_sim_stops_with_a_clear_error_when_its_tokenizer_cannot_load(tmp_path) -> None:
     """The sim server shares the local server's start-up: a tokenizer that fails to load ends ``serve``
     with ModelLoadError (no server that answers 503 forever)."""
-    from actors.inference.local.server import ModelLoadError
-    from actors.inference.sim.server import serve_sim
+    from modelserver.local.server import ModelLoadError
+    from modelserver.sim.server import serve_sim
 
     empty = tmp_path / "no-tokenizer"
     empty.mkdir()

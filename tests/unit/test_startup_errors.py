@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from kafka.errors import KafkaConnectionError, KafkaTimeoutError
 
-from actors.inference.launch import LocalServer, LocalServerError
+from modelserver.launch import LocalServer, LocalServerError
 from ops.cli_run import failure_line
 from ops.deployment import StartupError
 from streams.kafka import StreamError, kafka_reason
@@ -31,7 +31,7 @@ def test_failure_line_is_one_line_and_unwraps_a_lone_group() -> None:
 
 @pytest.mark.anyio
 async def test_local_server_refuses_a_bad_model_dir_before_spawning(tmp_path: Path) -> None:
-    """The one model-dir check (actors.model_dir.check_model_dir) guards the embedded server."""
+    """The one model-dir check (modelserver.model_dir.check_model_dir) guards the embedded server."""
     server = LocalServer(tmp_path / "missing", log_path=tmp_path / "log")
     with pytest.raises(LocalServerError, match="model directory does not exist"):
         await server.start()

@@ -20,12 +20,12 @@ import msgpack
 import pytest
 from transformers import AutoTokenizer
 
-from actors.domains import DOMAINS
+from domains import DOMAINS
 from actors.inference.actor import OBSERVATION_LIMIT, format_observation, observation_ids, observation_text
-from actors.llm import build_char_tokenizer, render_observation, render_prompt
+from modelserver.llm import build_char_tokenizer, render_observation, render_prompt
 from actors.runtime import Runtime
 from actors.scheduler import GeneratorSource, JsonlSource, SchedulerActor
-from actors.tools import BUILTIN_TOOLS, parse_tool_calls, render_tool_messages
+from engine.tools import BUILTIN_TOOLS, parse_tool_calls, render_tool_messages
 from engine.config import EngineConfig
 from engine.schemas import SandboxResult, SchemaError, Task
 from streams.codec import decode, encode

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from actors.tool_exec import truncate
-from actors.tools import BUILTIN_TOOLS, PYTHON_TAG, ToolCall, parse_tool_calls, tool_block, validate_arguments
+from domains.tool_exec import truncate
+from engine.tools import BUILTIN_TOOLS, PYTHON_TAG, ToolCall, parse_tool_calls, tool_block, validate_arguments
 
 
 def test_hermes_single_and_multiple_calls() -> None:
@@ -93,7 +93,7 @@ def test_render_prompt_declares_tools_and_observation_uses_tool_role(real_model_
     """SmolLM2's template ignores ``tools``: the Hermes block goes into the system turn instead."""
     from transformers import AutoTokenizer
 
-    from actors.llm import render_observation, render_prompt
+    from modelserver.llm import render_observation, render_prompt
     tokenizer = AutoTokenizer.from_pretrained(str(real_model_dir), local_files_only=True)
     with_tools = tokenizer.decode(render_prompt(tokenizer, "fix it", system="You fix code.", tools=BUILTIN_TOOLS))
     without = tokenizer.decode(render_prompt(tokenizer, "fix it", system="You fix code."))

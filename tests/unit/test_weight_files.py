@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from actors.learner import save_weights
-from actors.llm import build_char_tokenizer, build_tiny_model, tiny_config
+from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 from engine.config import LearnerConfig
 from streams.weights import safetensors_header, wire_dtype
 

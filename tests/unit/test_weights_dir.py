@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from actors.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
+from modelserver.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
 from engine.topics import Names
 from streams.weights import SAFETENSORS_INDEX, IncompleteModelDir, WeightPublisher, WeightSubscriber, check_hf_dir
 

@@ -5,11 +5,11 @@ readiness is then ``/health_generate`` answering 200. The child is stopped by it
 then SIGKILL after a grace period), never by name. An api key reaches the child in its environment
 (``ROLLOUT__INFERENCE__API_KEY``), never on its command line, which every user of the host can read.
 
-A model directory that cannot be served (:func:`actors.model_dir.check_model_dir`) is refused before
+A model directory that cannot be served (:func:`modelserver.model_dir.check_model_dir`) is refused before
 any process is spawned, and a child that exits during start-up (the server exits when its model fails
 to load) ends the wait at once: a bad directory is reported in seconds, not after the start-up timeout.
 
-This module also registers the built-in inference backends (:mod:`actors.inference.backends`):
+This module also registers the built-in inference backends (:mod:`modelserver.backends`):
 ``local`` launches a :class:`LocalServer`; ``sglang`` serves only through servers started elsewhere.
 """
 
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from actors.inference.backends import register_inference_backend
-from actors.inference.sglang_client import SGLangClient
-from actors.model_dir import ModelDirError, check_model_dir
+from modelserver.backends import register_inference_backend
+from modelserver.client import SGLangClient
+from modelserver.model_dir import ModelDirError, check_model_dir
 from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.model_dir import GGUF_ARCHITECTURES, ModelDirError, check_gguf, check_model_dir
+from modelserver.model_dir import GGUF_ARCHITECTURES, ModelDirError, check_gguf, check_model_dir
 
 __all__ = [
     "MODELS",

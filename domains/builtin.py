@@ -1,6 +1,6 @@
 """The built-in generated domains: seeded templates for the character-level fixture and for instruct models.
 
-Two sets, each a plain :class:`~actors.domains.base.Domain` registered with one call:
+Two sets, each a plain :class:`~domains.base.Domain` registered with one call:
 
 - ``arith``, ``code``, ``terminal`` (tag ``char``): tiny and templated on purpose, for the character-level
   model trained on CPU in minutes. Every completion is one line per turn and ends with ``stop`` (a newline).
@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from actors.domains.base import (STOP, Domain, GeneratedTask, answer_reward, code_reward, register_domain,
+from domains.base import (STOP, Domain, GeneratedTask, answer_reward, code_reward, register_domain,
                                  terminal_reward)
 
 CHAR = frozenset({"char"})

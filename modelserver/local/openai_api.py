@@ -2,10 +2,10 @@
 
 Request: ``messages`` (system/user/assistant/tool; an assistant message may carry OpenAI ``tool_calls``, a
 ``tool`` message hands a result back), optional ``tools`` (function JSON schemas), all rendered by
-:func:`actors.tools.render_tool_messages` as training and evaluation render them: the chat template's own
+:func:`engine.tools.render_tool_messages` as training and evaluation render them: the chat template's own
 tool support, else a Hermes-style system block and the calls as ``<tool_call>`` text), ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``), ``stop``, ``n``, ``seed``,
 ``stream``. Response: ``chat.completion`` with one choice per sample; when a reply holds tool calls (any
-format :func:`actors.tools.parse_tool_calls` reads) the message carries ``tool_calls`` (arguments as a JSON
+format :func:`engine.tools.parse_tool_calls` reads) the message carries ``tool_calls`` (arguments as a JSON
 string, as OpenAI does) and ``finish_reason`` is ``"tool_calls"``. ``stream: true`` answers Server-Sent
 Events: ``chat.completion.chunk`` objects with content deltas, a last chunk per choice with its
 ``finish_reason`` (and ``tool_calls``, sent whole once the reply is complete), then ``data: [DONE]``.
@@ -22,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
-from actors.inference.local.engine import LocalEngine, Sequence
-from actors.inference.local.protocol import BadRequest, ProtocolError, parse_sampling_params
-from actors.tools import parse_tool_calls, render_tool_messages
+from modelserver.local.engine import LocalEngine, Sequence
+from modelserver.local.protocol import BadRequest, ProtocolError, parse_sampling_params
+from engine.tools import parse_tool_calls, render_tool_messages
 
 __all__ = ["add_openai_routes"]
 

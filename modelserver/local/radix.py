@@ -22,8 +22,8 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from actors.inference.local.prefix_cache import PrefixCacheStatistics, common_prefix
-from actors.inference.local.runner import PagedRunner
+from modelserver.local.prefix_cache import PrefixCacheStatistics, common_prefix
+from modelserver.local.runner import PagedRunner
 
 __all__ = ["BlockRadix"]
 

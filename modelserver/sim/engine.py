@@ -22,9 +22,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from actors.inference.local.engine import EngineStatistics, PauseMode, Sequence, _abort_reason
-from actors.inference.local.protocol import BadRequest, SamplingParams
-from actors.inference.sim.roofline import LengthModel, Roofline
+from modelserver.local.engine import EngineStatistics, PauseMode, Sequence, _abort_reason
+from modelserver.local.protocol import BadRequest, SamplingParams
+from modelserver.sim.roofline import LengthModel, Roofline
 
 log = logging.getLogger(__name__)
 

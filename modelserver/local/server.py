@@ -30,9 +30,9 @@ from typing import Any
 import anyio
 from aiohttp import web
 
-from actors.inference.local.engine import LocalEngine, Sequence, WeightUpdateError
-from actors.inference.local.openai_api import add_openai_routes
-from actors.inference.local.protocol import (
+from modelserver.local.engine import LocalEngine, Sequence, WeightUpdateError
+from modelserver.local.openai_api import add_openai_routes
+from modelserver.local.protocol import (
     BadRequest,
     GenerateRequest,
     ProtocolError,
@@ -493,7 +493,7 @@ async def handle_health_generate(request: web.Request) -> web.Response:
 async def _load_engine(state: ServerState) -> None:
     from transformers.utils import logging as hf_logging
 
-    from actors.llm import load_model_dir, write_tiny_model_dir
+    from modelserver.llm import load_model_dir, write_tiny_model_dir
 
     hf_logging.disable_progress_bar()
     config = state.config

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from actors.inference.local.prefix_cache import common_prefix
+from modelserver.local.prefix_cache import common_prefix
 
 if TYPE_CHECKING:  # the layout the runner drives (SmolLM2 is a Llama)
     from transformers.models.llama.modeling_llama import LlamaAttention

@@ -47,7 +47,7 @@ BUILTIN_TOOLS: list[dict[str, Any]] = [
         "name": "run_tests", "description": "Run the repository's visible test suite; returns the report.",
         "parameters": {"type": "object", "properties": {}, "required": []}}},
 ]
-"""The tools of a repository episode (executed by :mod:`actors.tool_exec`)."""
+"""The tools of a repository episode (executed by :mod:`domains.tool_exec`)."""
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 PYTHON_TAG = "<|python_tag|>"

@@ -18,7 +18,7 @@ checks the real count stays within 35% of the target).
 Answer format (strict): one line ``Answer: <value>``, the value an integer or one lowercase word. The
 reward is answer accuracy: 1 only when the format is exact and the value is right.
 
-Held-out split: the shared rule of :mod:`actors.domains` (a stable hash of the prompt), so training and
+Held-out split: the shared rule of :mod:`domains` (a stable hash of the prompt), so training and
 held-out prompts are disjoint whatever the seeds. :func:`longdoc_accuracy` scores any chat
 ``generate`` callable on held-out tasks of one length (used by the sparse-attention benchmark).
 """
@@ -29,7 +29,7 @@ import random
 import re
 from collections.abc import Callable
 
-from actors.domains.base import Domain, Facts, GeneratedTask, register_domain
+from domains.base import Domain, Facts, GeneratedTask, register_domain
 from sandboxes.verifiers import answers_match, extract_answer
 
 MIN_TOKENS = 1000

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from actors import lora
+from learning import lora
 from engine.config import LearnerConfig
 from engine.schemas import Experience
 

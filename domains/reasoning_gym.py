@@ -1,7 +1,7 @@
 """reasoning-gym's procedural datasets as the domain family ``rg:NAME`` (``rg:chain_sum``, ``rg:leg_counting``, ...).
 
 reasoning-gym (``pip install 'rollout-engine[domains]'``) ships about a hundred seeded generators, each with
-its own scorer. Every dataset that passes the checks below is a :class:`~actors.domains.base.Domain` named
+its own scorer. Every dataset that passes the checks below is a :class:`~domains.base.Domain` named
 ``rg:<dataset>``, resolved on first use (nothing is imported until a name is looked up or listed, and the
 engine starts without the package: the names are then listed as unavailable with the install hint).
 
@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from actors.domains.base import DOMAINS, Domain, Facts, GeneratedTask, answer_reward
+from domains.base import DOMAINS, Domain, Facts, GeneratedTask, answer_reward
 
 PREFIX = "rg"
 DISTRIBUTION = "reasoning-gym"

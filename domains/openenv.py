@@ -2,7 +2,7 @@
 
 OpenEnv (Meta PyTorch + Hugging Face) environments speak ``reset(seed=...) -> Observation`` and
 ``step(Action) -> Observation``, each observation carrying ``done`` and ``reward``. :func:`openenv_domain` turns
-one into a :class:`~actors.domains.base.Domain`:
+one into a :class:`~domains.base.Domain`:
 
 - **in process**: ``env=`` a zero-argument factory of an ``openenv.core.env_server.interfaces.Environment``
   (or any object with the same ``reset``/``step``; their calls run in a worker thread), with ``action=`` the
@@ -36,7 +36,7 @@ from typing import Any
 
 import anyio
 
-from actors.domains.base import HASH_BUCKETS, HELDOUT_BUCKETS, Domain, Facts, GeneratedTask, Spec
+from domains.base import HASH_BUCKETS, HELDOUT_BUCKETS, Domain, Facts, GeneratedTask, Spec
 
 __all__ = ["OpenEnvEpisode", "openenv_domain"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from actors.tools import BUILTIN_TOOLS, ToolCall, parse_tool_calls, validate_arguments
+from engine.tools import BUILTIN_TOOLS, ToolCall, parse_tool_calls, validate_arguments
 from sandboxes.base import Sandbox, SandboxError
 
 __all__ = ["DEFAULT_LIMIT_BYTES", "RUN_TESTS_CMD", "ToolExecutor", "ToolResult", "truncate"]

@@ -1,6 +1,6 @@
 """The field's benchmark files as domains: HumanEval, MBPP-style and GSM8K-style rows, with no code.
 
-Each benchmark is a :class:`~actors.domains.base.Domain` registered with one call, and its file layout an
+Each benchmark is a :class:`~domains.base.Domain` registered with one call, and its file layout an
 :class:`engine.tasks.Layout` registered with one call, so ``rollout eval --tasks HumanEval.jsonl.gz`` reads
 the file exactly as the benchmark ships it (the layout is recognised from the first row's fields):
 
@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from actors.domains.base import Domain, GeneratedTask, answer_reward, code_reward, register_domain
+from domains.base import Domain, GeneratedTask, answer_reward, code_reward, register_domain
 from engine.tasks import Layout, TaskFileError, read_rows, register_layout
 from sandboxes.verifiers import SandboxSource, answers_match, extract_answer, verify_code
 

@@ -38,10 +38,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from actors.inference.local.prefix_cache import PrefixCache, common_prefix
-from actors.inference.local.protocol import BadRequest, SamplingParams
-from actors.inference.local.radix import BlockRadix
-from actors.inference.local.runner import KV_CACHES, PagedRunner, SlotRunner, build_runner
+from modelserver.local.prefix_cache import PrefixCache, common_prefix
+from modelserver.local.protocol import BadRequest, SamplingParams
+from modelserver.local.radix import BlockRadix
+from modelserver.local.runner import KV_CACHES, PagedRunner, SlotRunner, build_runner
 
 __all__ = ["EngineStatistics", "LocalEngine", "Sequence", "WeightUpdateError"]
 

@@ -3,7 +3,7 @@
 Why: the roofline is only as good as its shape. Here the real local engine runs the real model;
 prefill time vs prompt tokens and decode-step time vs batch are measured, the roofline's linear forms
 are fitted (effective FLOP/s, effective bytes/s, per-step overhead), and the fit's mean relative error
-is reported. Run: ``python -m actors.inference.sim.calibrate --model-dir DIR [--json F]``.
+is reported. Run: ``python -m modelserver.sim.calibrate --model-dir DIR [--json F]``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Any
 
-from actors.inference.local.engine import LocalEngine
-from actors.inference.local.protocol import SamplingParams
+from modelserver.local.engine import LocalEngine
+from modelserver.local.protocol import SamplingParams
 
 
 def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -43,7 +43,7 @@ async def _timed(engine: LocalEngine, prompts: list[list[int]], new_tokens: int)
 
 
 async def measure(model_dir: str, *, prompt_lens: list[int], batches: list[int], repeats: int = 3) -> dict[str, Any]:
-    from actors.llm import load_model_dir
+    from modelserver.llm import load_model_dir
 
     model, tokenizer = load_model_dir(model_dir)
     params = sum(p.numel() for p in model.parameters())

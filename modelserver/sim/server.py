@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from actors.inference.local import server as local_server
-from actors.inference.local.server import ServerConfig
-from actors.inference.sim.engine import SimEngine
-from actors.inference.sim.roofline import LengthModel, Roofline
+from modelserver.local import server as local_server
+from modelserver.local.server import ServerConfig
+from modelserver.sim.engine import SimEngine
+from modelserver.sim.roofline import LengthModel, Roofline
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,6 @@ def build_sim_app(config: ServerConfig, options: SimOptions = SimOptions()) -> w
 
 
 async def serve_sim(config: ServerConfig, options: SimOptions = SimOptions(), *, on_bound: Callable[[str, int], None] | None = None) -> None:
-    """Serve until cancelled; the local server's :func:`~actors.inference.local.server.serve` (same
+    """Serve until cancelled; the local server's :func:`~modelserver.local.server.serve` (same
     loopback/api-key rule, port 0 picks a free one) with a SimEngine in place of the model."""
     await local_server.serve(config, on_bound=on_bound, start_engine=_sim_starter(options))

@@ -27,7 +27,7 @@ class Launch(Protocol):
 
     def __call__(self, cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> AbstractAsyncContextManager[str]: ...
 
-BUILTIN_MODULES = ("actors.inference.launch",)
+BUILTIN_MODULES = ("modelserver.launch",)
 """Modules whose import registers the backends that ship with the project (`local`, `sglang`)."""
 
 

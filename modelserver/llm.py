@@ -11,8 +11,8 @@ Everything here is built locally and deterministically (nothing is downloaded):
 - :func:`save_model_dir` / :func:`load_model_dir` use the Hugging Face layout: ``config.json``,
   ``model.safetensors`` (or sharded, with ``model.safetensors.index.json``), ``tokenizer.json`` and
   ``tokenizer_config.json``. :func:`load_model_dir` loads any local Llama / Qwen2 / Mistral directory
-  (a real model prepared by actors/model_prepare.py too) with the tokenizer class the directory names,
-  after :func:`actors.model_dir.check_model_dir` has checked it.
+  (a real model prepared by modelserver/prepare.py too) with the tokenizer class the directory names,
+  after :func:`modelserver.model_dir.check_model_dir` has checked it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from actors.model_dir import check_model_dir
+from modelserver.model_dir import check_model_dir
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -132,7 +132,7 @@ def load_model_dir(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a model directory written by :func:`save_model_dir` (or any local HF causal-LM directory).
 
-    Raises :class:`actors.model_dir.ModelDirError` (naming the file) for a directory that cannot load.
+    Raises :class:`modelserver.model_dir.ModelDirError` (naming the file) for a directory that cannot load.
     """
     check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
@@ -169,8 +169,8 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, system: st
         return list(tokenizer.encode(prompt, add_special_tokens=False))
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": prompt}]
-    if tools:  # declared tools (JSON schemas): the template's tool support, else a Hermes block (actors.tools)
-        from actors.tools import render_tool_messages
+    if tools:  # declared tools (JSON schemas): the template's tool support, else a Hermes block (engine.tools)
+        from engine.tools import render_tool_messages
         text = render_tool_messages(tokenizer, messages, tools)
     else:
         text = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
@@ -189,7 +189,7 @@ def render_observation(tokenizer: PreTrainedTokenizerBase, observation: str | li
     ``ended_turn``: the model's last token already ended its turn (it stopped on the end-of-turn token), so
     only what the template writes after that token follows.
     """
-    from actors.tools import apply_chat_template
+    from engine.tools import apply_chat_template
 
     messages = [{"role": role, "content": observation}] if isinstance(observation, str) else list(observation)
     base = [{"role": "system", "content": "s"}]

@@ -2,7 +2,7 @@
 
 Each task is a tiny repository written into the episode's sandbox (``/work``): ``lib.py`` with one buggy
 function, ``helpers.py``, a README and a visible test suite in ``tests/`` that fails. The model works over
-several turns with the tools of :mod:`actors.tools` (``bash``, ``read_file``, ``write_file``, ``run_tests``):
+several turns with the tools of :mod:`engine.tools` (``bash``, ``read_file``, ``write_file``, ``run_tests``):
 it reads the failure, edits, runs the tests again. The reward is the pass rate of HELD-OUT tests (other
 inputs of the same function, written under /verify where the model cannot read them); a task is completed
 when all of them pass (the eval metric is the completion rate).
@@ -24,9 +24,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from actors.domains.base import Domain, Facts, GeneratedTask, register_domain
-from actors.tool_exec import ToolExecutor
-from actors.tools import BUILTIN_TOOLS
+from domains.base import Domain, Facts, GeneratedTask, register_domain
+from domains.tool_exec import ToolExecutor
+from engine.tools import BUILTIN_TOOLS
 from sandboxes.base import ExecResult, Sandbox
 from sandboxes.verifiers import _hold
 
@@ -375,7 +375,7 @@ def repo_reward(facts: Facts, text: str) -> float:
 
 def repo_format(text: str) -> float:
     """1 when the reply contains at least one well-formed call of a declared tool."""
-    from actors.tools import parse_tool_calls, validate_arguments
+    from engine.tools import parse_tool_calls, validate_arguments
     calls = parse_tool_calls(text)
     return 1.0 if calls and all(not validate_arguments(c, BUILTIN_TOOLS) for c in calls) else 0.0
 

@@ -318,8 +318,8 @@ def _adopt(registry: Registry[Domain], obj: object, origin: str) -> None:
 
 DOMAINS: Registry[Domain] = Registry(
     "domain", entry_point_group=ENTRY_POINT_GROUP, adopt=_adopt, check=_check,
-    builtin_modules=("actors.domains.builtin", "actors.domains.repo", "actors.domains.longdoc",
-                     "actors.domains.benchmarks", "actors.domains.reasoning_gym"
+    builtin_modules=("domains.builtin", "domains.repo", "domains.longdoc",
+                     "domains.benchmarks", "domains.reasoning_gym"
 ))
 """Every domain by name: what the scheduler, the verify and reward actors and the evaluation read."""
 
