@@ -242,9 +242,11 @@ class LearnerActor(Actor):
             if span.is_recording():
                 self._trace_step(span, report, offered)
         loss = report.metrics.get("loss")
-        log.info("%s: %sstep %d (judged at v%d): trained %d, stale %d, filtered %d, dup %d, loss %s",
+        stale_trained = round(report.metrics.get("stale_trained_frac", 0.0) * len(report.trained))
+        log.info("%s: %sstep %d (judged at v%d): trained %d (%d stale, downweighted), stale-dropped %d, filtered %d, "
+                 "dup %d, loss %s",
                  self.name, "SIMULATED " if self.cfg.simulate else "", report.step, report.version, len(report.trained),
-                 len(report.dropped_stale), len(report.filtered), report.duplicates,
+                 stale_trained, len(report.dropped_stale), len(report.filtered), report.duplicates,
                  f"{loss:.4f}" if isinstance(loss, (int, float)) else "none (no gradient step)")
         if self.on_step is not None:
             self.on_step(report)

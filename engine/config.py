@@ -457,6 +457,28 @@ class LearnerConfig(Section):
     """Truncation of the importance ratio for `tis`."""
     clip_eps: float = Field(0.2, gt=0)
     """PPO clip range for `decoupled_ppo`."""
+    off_policy: Literal["token_tis", "icepop", "seq_mis", "geo_mask", "off"] = "token_tis"
+    """How the behaviour ratio exp(p_t - b_t) weighs each token (docs/learner.md, "Off-policy corrections"):
+    ``token_tis`` truncated at ``tis_cap``; ``icepop`` masks tokens whose ratio is outside ``off_policy_band``;
+    ``seq_mis`` weighs a sample by its sequence ratio, masking the whole sample above ``tis_cap``;
+    ``geo_mask`` masks a whole sample whose geometric-mean ratio is outside the band (kept tokens: token_tis);
+    ``off``: weight 1."""
+    off_policy_band: tuple[float, float] | None = None
+    """[low, high] of ``icepop`` (token ratio) and ``geo_mask`` (sequence geometric-mean ratio); None: the
+    preset's default, (0.5, 2.0) for icepop and (0.99, 1.01) for geo_mask."""
+    staleness_policy: Literal["drop", "downweight"] = "drop"
+    """What happens to a finished sample staler than ``scheduler.max_staleness``: ``drop`` (counted under
+    ``dropped_stale``, never trained) or ``downweight`` (trained, its loss weight multiplied by
+    ``stale_decay`` per version beyond the bound: no finished sample is discarded for its age)."""
+    stale_decay: float = Field(0.5, gt=0, le=1)
+    """Loss-weight factor per version beyond the staleness bound under ``staleness_policy = "downweight"``."""
+
+    @field_validator("off_policy_band")
+    @classmethod
+    def _band_low_below_high(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not 0 <= value[0] < value[1]:
+            raise ValueError(f"the band [low, high] needs 0 <= low < high, got [{value[0]}, {value[1]}]")
+        return value
     publish_every: int = Field(1, ge=1)
     """Publish weights every k optimizer steps."""
     publish_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -403,6 +403,7 @@ class _Sums:
     loss: float = 0.0
     behav_weight: float = 0.0
     behav_truncated: float = 0.0
+    behav_masked: float = 0.0
     behav_kl: float = 0.0
     clipped: float = 0.0
     ratio: float = 0.0
@@ -410,20 +411,82 @@ class _Sums:
     kl_ref: float = 0.0
 
 
+OFF_POLICY_PRESETS = ("token_tis", "icepop", "seq_mis", "geo_mask", "off")
+"""The off-policy corrections of ``learner.off_policy`` (docs/learner.md, "Off-policy corrections")."""
+
+DEFAULT_BANDS: dict[str, tuple[float, float]] = {"icepop": (0.5, 2.0), "geo_mask": (0.99, 1.01)}
+"""``learner.off_policy_band`` when unset: icepop's token-ratio band, geo_mask's geometric-mean band."""
+
+
+def _segment_sum(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-token sum of ``values`` over the tokens sharing its ``index`` (a sequence), gathered back to [N]."""
+    sums = torch.zeros(int(index.max()) + 1 if index.numel() else 0, dtype=values.dtype)
+    return sums.index_add(0, index, values)[index]
+
+
+def behaviour_weights(log_ratio: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor | None = None, *,
+                      preset: str = "token_tis", tis_cap: float = 2.0,
+                      band: tuple[float, float] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token weights (no grad) of the behaviour ratio ``exp(log_ratio)`` under an off-policy preset.
+
+    ``log_ratio`` = proximal - behaviour logprob, 0 off ``mask``; ``seq_index`` names each token's sequence
+    (default: the rows of a [B, R] tensor, or one sequence). Returns the weights (0 on masked tokens: no
+    gradient) and boolean per-token flags ``masked`` (loss-masked tokens the preset zeroes) and
+    ``truncated`` (tokens whose weight was capped at ``tis_cap``).
+    """
+    if preset not in OFF_POLICY_PRESETS:
+        raise ValueError(f"learner.off_policy {preset!r} is not one of {', '.join(OFF_POLICY_PRESETS)}")
+    low, high = band if band is not None else DEFAULT_BANDS.get(preset, (0.0, math.inf))
+    if not 0 <= low < high:
+        raise ValueError(f"learner.off_policy_band needs 0 <= low < high, got [{low}, {high}]")
+    shape = log_ratio.shape
+    lr = log_ratio.detach().reshape(-1)
+    m = mask.reshape(-1)
+    if seq_index is None:
+        rows = shape[0] if len(shape) == 2 else 1
+        seq_index = torch.arange(rows).repeat_interleave(lr.numel() // max(rows, 1))
+    seq = seq_index.reshape(-1)
+    raw = torch.exp(lr)
+    tis = raw.clamp(max=tis_cap)
+    no = torch.zeros_like(m)
+    if preset == "token_tis":
+        w, masked, truncated = tis, no, raw > tis_cap
+    elif preset == "off":
+        w, masked, truncated = torch.ones_like(lr), no, no
+    elif preset == "icepop":
+        keep = (raw >= low) & (raw <= high)  # the band's edges are inside it
+        w, masked, truncated = torch.where(keep, raw, torch.zeros_like(raw)), ~keep, no
+    elif preset == "seq_mis":
+        # compare in log space: a long sequence's product of ratios overflows fp32 long before it matters
+        seq_lr = _segment_sum(lr, seq)
+        keep = seq_lr <= math.log(tis_cap)
+        seq_w = torch.exp(seq_lr.clamp(max=math.log(tis_cap)))
+        w, masked, truncated = torch.where(keep, seq_w, torch.zeros_like(seq_w)), ~keep, no
+    else:  # geo_mask
+        n = _segment_sum(m.to(lr.dtype), seq).clamp_min(1.0)
+        geo = torch.exp(_segment_sum(lr, seq) / n)
+        keep = (geo >= low) & (geo <= high)
+        w, masked, truncated = torch.where(keep, tis, torch.zeros_like(tis)), ~keep, keep & (raw > tis_cap)
+    w = torch.where(m, w, torch.zeros_like(w))
+    return w.reshape(shape), {"masked": (masked & m).reshape(shape), "truncated": (truncated & m).reshape(shape)}
+
+
 def _policy_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
                   advantages: torch.Tensor, mask: torch.Tensor, *, objective: str, tis_cap: float,
-                  clip_eps: float) -> tuple[torch.Tensor, dict[str, float]]:
+                  clip_eps: float, off_policy: str = "token_tis", band: tuple[float, float] | None = None,
+                  seq_index: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token loss (0 off the mask) and the token *sums* of the statistics; see ``policy_loss``."""
     m = mask.to(logp.dtype)
     prox = prox_logp.detach()
     # Padding and observation tokens have arbitrary logprobs: zero their log-ratios so exp() cannot overflow.
     behav_log_ratio = torch.where(mask, prox - behav_logp.detach(), torch.zeros_like(prox))
-    raw_w = torch.exp(behav_log_ratio)
-    behav_w = raw_w.clamp(max=tis_cap)
+    behav_w, flags = behaviour_weights(behav_log_ratio, mask, seq_index, preset=off_policy, tis_cap=tis_cap,
+                                       band=band)
     adv = advantages.expand_as(logp)
     sums: dict[str, float] = {
         "behav_weight": float((behav_w * m).sum()),
-        "behav_truncated": float(((raw_w > tis_cap).to(m.dtype) * m).sum()),
+        "behav_truncated": float(flags["truncated"].sum()),
+        "behav_masked": float(flags["masked"].sum()),
         "behav_kl": float((-behav_log_ratio * m).sum()),
         "tokens": float(m.sum()),
     }
@@ -442,21 +505,26 @@ def _policy_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch
 
 def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, *, objective: str, tis_cap: float,
-                clip_eps: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                clip_eps: float, weights: torch.Tensor | None = None, off_policy: str = "token_tis",
+                band: tuple[float, float] | None = None,
+                seq_index: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level policy-gradient loss, mean over loss-masked tokens (or, given per-token ``weights``
     such as :func:`token_weights` makes, the weighted sum ``sum(weights * per-token loss)``).
 
-    - ``tis``: ``-min(pi_prox / pi_behav, tis_cap) * A * log pi_theta``.
-    - ``decoupled_ppo`` (AReaL): ``min(pi_prox / pi_behav, tis_cap) * max(-A * r, -A * clip(r, 1-eps, 1+eps))``
-      with ``r = pi_theta / pi_prox``.
+    - ``tis``: ``-w_t * A * log pi_theta``.
+    - ``decoupled_ppo`` (AReaL): ``w_t * max(-A * r, -A * clip(r, 1-eps, 1+eps))`` with ``r = pi_theta / pi_prox``.
 
-    ``prox_logp`` and ``behav_logp`` carry no gradient; ``advantages`` broadcasts over tokens.
+    ``w_t`` is the behaviour weight of the ``off_policy`` preset (:func:`behaviour_weights`; ``token_tis``:
+    ``min(pi_prox / pi_behav, tis_cap)``). ``prox_logp`` and ``behav_logp`` carry no gradient;
+    ``advantages`` broadcasts over tokens.
     """
     per_tok, sums = _policy_terms(logp, prox_logp, behav_logp, advantages, mask, objective=objective,
-                                  tis_cap=tis_cap, clip_eps=clip_eps)
+                                  tis_cap=tis_cap, clip_eps=clip_eps, off_policy=off_policy, band=band,
+                                  seq_index=seq_index)
     n_tok = max(sums["tokens"], 1.0)
     stats: dict[str, float] = {"behav_weight_mean": sums["behav_weight"] / n_tok,
                                "behav_truncated_frac": sums["behav_truncated"] / n_tok,
+                               "behav_masked_frac": sums["behav_masked"] / n_tok,
                                "behav_kl": sums["behav_kl"] / n_tok}
     if objective == "decoupled_ppo":
         stats["clip_frac"] = sums["clipped"] / n_tok
@@ -563,6 +631,22 @@ def _fused() -> dict[str, Any]:
     return {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters else {}
 
 
+# -- staleness ---------------------------------------------------------------------------------------
+
+def stale_weight(staleness: Sequence[int], max_staleness: int, decay: float) -> list[float]:
+    """Loss-weight factor per sample age: 1 within ``max_staleness``, ``decay`` per version beyond it."""
+    return [decay ** max(0, a - max_staleness) for a in staleness]
+
+
+def stale_metrics(staleness: Sequence[int], max_staleness: int, decay: float) -> dict[str, float]:
+    """A step's ``stale_trained_frac`` (its samples trained beyond the bound, downweighted) and
+    ``stale_weight_mean`` (mean age factor over its samples; 1 when none is beyond the bound)."""
+    factors = stale_weight(staleness, max_staleness, decay)
+    n = max(len(factors), 1)
+    return {"stale_trained_frac": sum(1 for a in staleness if a > max_staleness) / n,
+            "stale_weight_mean": sum(factors) / n if factors else 1.0}
+
+
 # -- the learner -----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -629,6 +713,11 @@ class Learner:
     def staleness(self, exp: Experience) -> int:
         return self.version - exp.min_version()
 
+    def stale_weights(self, samples: Sequence[Experience]) -> list[float]:
+        """Each sample's loss-weight factor for its age: ``stale_decay ** (staleness - max_staleness)`` beyond
+        the bound (only ``staleness_policy = "downweight"`` trains such samples), 1 within it."""
+        return stale_weight([self.staleness(s) for s in samples], self.max_staleness, self.cfg.stale_decay)
+
     def offer(self, exp: Experience, source: Source | None = None, offset: int | None = None) -> Verdict:
         """Classify one record and hold it for the next step (see the module docstring)."""
         pending = self._pending
@@ -636,12 +725,14 @@ class Learner:
         verdict: Verdict
         if exp.sample_id in self.seen or exp.sample_id in pending.ids:
             verdict = "duplicate"
-        elif self.staleness(exp) > self.max_staleness:
+        elif self.staleness(exp) > self.max_staleness and self.cfg.staleness_policy == "drop":
             verdict, reason = "dropped_stale", "stale"
         elif exp.filtered:
             verdict, reason = "filtered", exp.filtered
         else:
             verdict = "train"
+            if self.staleness(exp) > self.max_staleness:  # staleness_policy "downweight": trained, weighing less
+                reason = "stale_downweighted"
         pending.ledger.count(verdict, reason)
         if verdict != "duplicate":
             pending.ids[exp.sample_id] = verdict
@@ -688,6 +779,7 @@ class Learner:
                    pad_id=self.pad_id)
         tokens = trained_tokens(samples, mbs)
         weights = sample_loss_weights([s.domain for s in samples], tokens, cfg.loss_weighting)
+        weights = [w * a for w, a in zip(weights, self.stale_weights(samples))]  # 1 unless downweighted
         sample_w = torch.tensor(weights, dtype=torch.float32)
         self.last_domains = domain_report(samples, tokens, weights)
         sums = _Sums()
@@ -706,7 +798,9 @@ class Learner:
                 # One optimizer update per batch: the proximal policy is the current one, so its no-grad
                 # logprobs are exactly these values detached (no second forward pass needed).
                 per_tok, terms = _policy_terms(logp, logp.detach(), mb.behav_logp, mb.advantages, mb.loss_mask,
-                                               objective=cfg.objective, tis_cap=cfg.tis_cap, clip_eps=cfg.clip_eps)
+                                               objective=cfg.objective, tis_cap=cfg.tis_cap, clip_eps=cfg.clip_eps,
+                                               off_policy=cfg.off_policy, band=cfg.off_policy_band,
+                                               seq_index=mb.sample_index)
                 m = mb.loss_mask.to(logp.dtype)
                 w_tok = token_weights(mb, sample_w).to(logp.dtype)
                 loss = (per_tok * w_tok).sum()
@@ -729,6 +823,7 @@ class Learner:
         stats = {"loss": sums.loss, "grad_norm": float(grad_norm), "tokens": sums.tokens,
                  "entropy": sums.entropy / n, "clip_frac": sums.clipped / n,
                  "behav_weight_mean": sums.behav_weight / n, "behav_truncated_frac": sums.behav_truncated / n,
+                 "behav_masked_frac": sums.behav_masked / n,
                  "behav_kl": sums.behav_kl / n,
                  "advantage_mean": float(np.mean([s.advantage for s in samples])) if samples else 0.0,
                  "samples": float(len(samples)), "micro_batches": float(len(mbs)),
@@ -754,7 +849,9 @@ class Learner:
                     continue
                 logp, _ = packed_logprobs(self.model, mb, chunk=cfg.logprob_chunk, autocast=cfg.autocast == "bf16")
                 per_tok, _ = _policy_terms(logp, logp.detach(), mb.behav_logp, mb.advantages, mb.loss_mask,
-                                           objective=cfg.objective, tis_cap=cfg.tis_cap, clip_eps=cfg.clip_eps)
+                                           objective=cfg.objective, tis_cap=cfg.tis_cap, clip_eps=cfg.clip_eps,
+                                           off_policy=cfg.off_policy, band=cfg.off_policy_band,
+                                           seq_index=mb.sample_index)
                 loss = (per_tok * w_tok.to(logp.dtype)).sum()
                 if loss.requires_grad:
                     loss.backward()
@@ -815,6 +912,8 @@ class Learner:
             raise
         if not self.last_domains:  # a train_on that does not measure them (the simulated step)
             self.last_domains = domain_report(pending.train)
+        metrics.update(stale_metrics([self.staleness(s) for s in pending.train], self.max_staleness,
+                                     self.cfg.stale_decay))
         self.step_count += 1
         publish = self.step_count % self.cfg.publish_every == 0
         if publish:

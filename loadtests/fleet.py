@@ -44,7 +44,15 @@ Parts:
    sandboxes measured alive and busy, verifications/s held, CPU us per verification by role, memory, and which
    guard (memory, fds, pids) stopped the ramp (``sandbox_growth``, ``max_verifications_per_s``).
 
+6. staleness policies (``staleness_policies``): ``learner.staleness_policy`` ``drop`` against ``downweight`` on
+   the same SIMULATED fleet, an in-process event simulation (no broker) driving the real ``Learner`` and
+   ``Admission`` (``STALENESS_NOTE``), thousands of trained samples per side: the Kolmogorov-Smirnov distance
+   between the judged and the trained completion lengths (flat ``length_ks_<policy>``, weighted by the stale
+   factor ``length_ks_weighted_<policy>``, zero-variance filtering's own shift ``length_ks_zero_variance_<policy>``)
+   and trained samples per simulated second (``trained_samples_per_s_<policy>``).
+
     python -m loadtests.fleet [--quick] [--json F] [--plot PNG] [--sandboxes 100,1000,3000] [--sandboxes-only]
+                              [--staleness-only]
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +112,11 @@ class Plan:
     sandbox_window_s: float = 60.0
     sandbox_ramp_timeout_s: float = 300.0
     sandboxes_only: bool = False
-    """Run only the sandbox growth (parts 1-4 skipped)."""
+    """Run only the sandbox growth (parts 1-4 and 6 skipped)."""
+    staleness_policies: bool = True
+    """Part 6: the staleness policies' length distributions (in-process, no broker)."""
+    staleness_only: bool = False
+    """Run only part 6."""
 
     @staticmethod
     def quick_plan() -> "Plan":
@@ -362,6 +375,291 @@ def calibration(model_dir: Path | None, quick: bool, work: Path) -> dict[str, An
                                 "(real model, this CPU); mean relative error of the worse fit"}
 
 
+# -- 6. staleness policies: an in-process event simulation of the fleet (SIMULATED) ----------------------
+
+STALENESS_POLICIES = ("drop", "downweight")
+STALENESS_NOTE = (
+    "SIMULATED in one process (no broker, no role processes): the real Learner's offer/step/ledger and stale "
+    "weights (learning.core) and the scheduler's Admission rule, driven by an event simulation of the sim "
+    "servers' roofline (continuous batching, partial rollouts: a weight update interrupts and resumes, a "
+    "sample's age is from its first token) and of the simulated learner's step and publication times. "
+    "length_ks_<policy>: Kolmogorov-Smirnov distance between the lengths of the non-filtered samples the "
+    "learner judged (generated and finished) and of those it trained; length_ks_weighted_<policy>: the same "
+    "with each trained sample weighed by its stale loss factor; length_ks_zero_variance_<policy>: between all "
+    "judged samples and those that passed zero-variance filtering (the filter's own shift, reported apart)")
+TASK_MODEL_NOTE = (
+    "ASSUMED task model: a group's difficulty d ~ U(0, 1); its samples' lengths lognormal with median "
+    "1500 x (0.5 + d) tokens, sigma 0.9, cap 16384; each sample correct with probability 1 - d (wrong at the "
+    "cap): harder prompts take longer and fail more, so zero-variance filtering moves lengths too")
+
+
+@dataclass(frozen=True)
+class StalenessPlan:
+    """The staleness-policy simulation: one run per policy on the same tasks, lengths and rewards (one seed)."""
+
+    trained_target: int = 8192
+    """Trained samples per policy (the run ends at the first step reaching it)."""
+    servers: int = 8
+    batch_size: int = 64
+    group_size: int = 8
+    staleness: int = 4
+    stale_decay: float = 0.5
+    token_scale: int = 16
+    """Tokens each simulated decode step adds to every running sequence (k real steps' time)."""
+    prompt_tokens: int = 512
+    seed: int = 0
+
+    @staticmethod
+    def quick_plan() -> "StalenessPlan":
+        return StalenessPlan(trained_target=2048, token_scale=32)
+
+
+def ks_distance(a: Any, b: Any, b_weights: Any = None) -> float:
+    """Two-sample Kolmogorov-Smirnov distance ``sup |F_a - F_b|`` (``b`` optionally weighted)."""
+    import numpy as np
+
+    xa, xb = np.sort(np.asarray(a, dtype=float)), np.asarray(b, dtype=float)
+    if not len(xa) or not len(xb):
+        raise ValueError(f"KS distance needs two non-empty samples, got {len(xa)} and {len(xb)} values")
+    w = np.ones(len(xb)) if b_weights is None else np.asarray(b_weights, dtype=float)
+    if len(w) != len(xb) or not w.sum() > 0 or (w < 0).any():
+        raise ValueError("b_weights: one non-negative weight per value of b, not all 0")
+    order = np.argsort(xb, kind="stable")
+    xb, cw = xb[order], np.cumsum(w[order]) / w.sum()
+    grid = np.union1d(xa, xb)
+    fa = np.searchsorted(xa, grid, side="right") / len(xa)
+    idx = np.searchsorted(xb, grid, side="right") - 1
+    fb = np.where(idx >= 0, cw[np.clip(idx, 0, None)], 0.0)
+    return float(np.max(np.abs(fa - fb)))
+
+
+def draw_group(seed: int, index: int, group_size: int) -> tuple[list[int], list[float]]:
+    """Group ``index``'s response lengths and rewards under the assumed task model (``TASK_MODEL_NOTE``)."""
+    import random
+
+    from modelserver.sim.roofline import LengthModel
+
+    rng = random.Random(seed * 1_000_003 + index)
+    base = LengthModel()
+    d = rng.random()
+    model = LengthModel(median=base.median * (0.5 + d), sigma=base.sigma, max_tokens=base.max_tokens)
+    lengths = [model.sample(rng) for _ in range(group_size)]
+    rewards = [1.0 if n < base.max_tokens and rng.random() < 1.0 - d else 0.0 for n in lengths]
+    return lengths, rewards
+
+
+@dataclass
+class _Seq:
+    sid: str
+    group: int
+    length: int
+    done: int = 0
+    min_version: int | None = None
+
+
+@dataclass
+class _Server:
+    running: list[_Seq] = field(default_factory=list)
+    version: int = 0
+    busy: bool = False
+
+
+def simulate_staleness(policy: str, plan: StalenessPlan) -> dict[str, Any]:
+    """One policy's run (SIMULATED, see ``STALENESS_NOTE``): lengths judged and trained, KS, throughput."""
+    import heapq
+
+    import numpy as np
+    import torch
+
+    from actors.learner_sim import publish_seconds, step_seconds
+    from actors.scheduler import Admission, LearnerStatus
+    from engine.config import LearnerConfig, LearnerSimulateConfig
+    from engine.schemas import Experience
+    from learning.core import Learner
+    from modelserver.sim.roofline import Roofline
+
+    if policy not in STALENESS_POLICIES:
+        raise ValueError(f"staleness policy {policy!r} is not one of {', '.join(STALENESS_POLICIES)}")
+    class CountingLearner(Learner):
+        """The real offer, staleness, ledger and step bookkeeping; the step's time is simulated below."""
+
+        def train_on(self, samples: Any) -> dict[str, float]:
+            return {}
+
+    roof, sim = Roofline(), LearnerSimulateConfig()
+    cfg = LearnerConfig(batch_size=plan.batch_size, staleness_policy=policy, stale_decay=plan.stale_decay)
+    learner = CountingLearner(torch.nn.Linear(1, 1), cfg, max_staleness=plan.staleness)  # type: ignore[arg-type]
+    admission = Admission(plan.batch_size, plan.staleness)
+    servers = [_Server() for _ in range(plan.servers)]
+    events: list[tuple[float, int, str, int]] = []
+    seq_no = 0
+
+    def push(t: float, kind: str, arg: int) -> None:
+        nonlocal seq_no
+        seq_no += 1
+        heapq.heappush(events, (t, seq_no, kind, arg))
+
+    groups: dict[int, tuple[list[int], list[float]]] = {}
+    finished: dict[int, list[_Seq]] = {}
+    seqs: dict[int, _Seq] = {}  # finished, waiting for their event
+    lengths: dict[str, int] = {}
+    inbox: list[Experience] = []
+    admitted = 0
+    next_group = 0
+    status_version = 0
+    delivered = 0  # the newest version the servers can load
+    learner_busy = False
+    step_ends: list[tuple[float, int]] = []  # (time, trained so far) at each step's end
+    folded: dict[str, str] = {}
+    staleness_of: dict[str, int] = {}
+    generated_tokens = 0
+    now = 0.0
+
+    def admit() -> None:
+        nonlocal admitted, next_group
+        status = LearnerStatus(version=status_version, never_trained=learner.never_trained)
+        while admission.can_admit(admitted, plan.group_size, status):
+            lens, rewards = draw_group(plan.seed, next_group, plan.group_size)
+            groups[next_group] = (lens, rewards)
+            for j, n in enumerate(lens):
+                s = _Seq(f"g{next_group}-{j}", next_group, max(1, n))
+                lengths[s.sid] = s.length
+                server = min(range(len(servers)), key=lambda i: len(servers[i].running))
+                servers[server].running.append(s)
+                if not servers[server].busy:
+                    servers[server].busy = True
+                    push(now, "server", server)
+            admitted += plan.group_size
+            next_group += 1
+
+    def server_step(i: int) -> None:
+        nonlocal generated_tokens
+        srv = servers[i]
+        if not srv.running:
+            srv.busy = False
+            return
+        pause = 0.0
+        if delivered > srv.version:  # partial rollouts: interrupt, load the new weights, resume
+            srv.version, pause = delivered, roof.weight_update_s()
+        k = plan.token_scale
+        fresh = [s for s in srv.running if s.min_version is None]
+        kv = sum(plan.prompt_tokens + s.done for s in srv.running)
+        dt = pause + sum(roof.prefill_s(plan.prompt_tokens) for _ in fresh)
+        dt += k * roof.decode_step_s(kv + len(srv.running) * (k - 1) // 2)
+        still = []
+        for s in srv.running:
+            if s.min_version is None:
+                s.min_version = srv.version
+            step = min(k, s.length - s.done)
+            s.done += step
+            generated_tokens += step
+            if s.done >= s.length:
+                push(now + dt, "finished", id(s))
+                seqs[id(s)] = s
+            else:
+                still.append(s)
+        srv.running = still
+        push(now + dt, "server", i)
+
+    def group_done(s: _Seq) -> None:
+        done = finished.setdefault(s.group, [])
+        done.append(s)
+        if len(done) < plan.group_size:
+            return
+        lens, rewards = groups.pop(s.group)
+        zero_variance = len(set(rewards)) == 1
+        mean = sum(rewards) / len(rewards)
+        for x in sorted(finished.pop(s.group), key=lambda x: x.sid):
+            j = int(x.sid.rsplit("-", 1)[1])
+            inbox.append(Experience(
+                sample_id=x.sid, task_id=f"g{x.group}", domain="sim", prompt_ids=np.zeros(1, dtype=np.int32),
+                response_ids=np.zeros(1, dtype=np.int32), logprobs=np.zeros(1, dtype=np.float32),
+                loss_mask=np.ones(1, dtype=np.uint8), weight_versions=np.asarray([x.min_version], dtype=np.int32),
+                reward=rewards[j], advantage=rewards[j] - mean, group_size=plan.group_size,
+                filtered="zero_variance" if zero_variance else ""))
+
+    def feed_learner() -> None:
+        nonlocal learner_busy
+        if learner_busy:
+            return
+        for exp in inbox:
+            staleness_of[exp.sample_id] = learner.staleness(exp)
+            learner.offer(exp)
+        inbox.clear()
+        if learner.ready:
+            report = learner.step()
+            for verdict, ids in (("train", report.trained), ("dropped_stale", report.dropped_stale),
+                                 ("filtered", report.filtered)):
+                for sid in ids:
+                    folded[sid] = verdict
+            tokens = sum(plan.prompt_tokens + lengths[sid] for sid in report.trained)
+            learner_busy = True
+            push(now + step_seconds(sim, tokens) + publish_seconds(sim), "published", report.version + 1)
+
+    admit()
+    while events and learner.ledger.trained < plan.trained_target:
+        now, _, kind, arg = heapq.heappop(events)
+        if kind == "server":
+            server_step(arg)
+        elif kind == "finished":
+            group_done(seqs.pop(arg))
+        elif kind == "published":
+            learner_busy = False
+            delivered = status_version = arg
+            step_ends.append((now, learner.ledger.trained))
+            for i, srv in enumerate(servers):
+                if srv.running and not srv.busy:
+                    srv.busy = True
+                    push(now, "server", i)
+        feed_learner()
+        admit()
+    return _staleness_row(policy, plan, folded, lengths, staleness_of, step_ends, generated_tokens, now,
+                          learner.ledger.to_dict())
+
+
+def _staleness_row(policy: str, plan: StalenessPlan, folded: dict[str, str], lengths: dict[str, int],
+                   staleness_of: dict[str, int], step_ends: list[tuple[float, int]], generated_tokens: int,
+                   end_s: float, ledger: dict[str, Any]) -> dict[str, Any]:
+    from learning.core import stale_weight
+
+    judged = [sid for sid, v in folded.items() if v != "filtered"]
+    trained = [sid for sid, v in folded.items() if v == "train"]
+    factors = stale_weight([staleness_of[sid] for sid in trained], plan.staleness, plan.stale_decay)
+    (t0, n0), (t1, n1) = step_ends[0], step_ends[-1]
+    all_judged = list(folded)
+    return {
+        "policy": policy, "judged": len(judged), "trained": len(trained),
+        "dropped_stale": ledger["dropped_stale"], "filtered": ledger["filtered"],
+        "stale_trained": sum(1 for sid in trained if staleness_of[sid] > plan.staleness),
+        "length_ks": round(ks_distance([lengths[s] for s in judged], [lengths[s] for s in trained]), 4),
+        "length_ks_weighted": round(ks_distance([lengths[s] for s in judged], [lengths[s] for s in trained],
+                                                factors), 4),
+        "length_ks_zero_variance": round(ks_distance([lengths[s] for s in all_judged],
+                                                     [lengths[s] for s in judged]), 4),
+        "mean_length_judged": round(sum(lengths[s] for s in judged) / len(judged), 1),
+        "mean_length_trained": round(sum(lengths[s] for s in trained) / len(trained), 1),
+        "trained_samples_per_s": round((n1 - n0) / (t1 - t0), 3) if t1 > t0 else None,
+        "generated_tokens_per_s": round(generated_tokens / end_s, 1) if end_s > 0 else None,
+        "simulated_s": round(end_s, 1), "steps": len(step_ends),
+    }
+
+
+def staleness_policies(plan: StalenessPlan, log: Any = print) -> dict[str, Any]:
+    """Both staleness policies on the same simulated fleet; flat ``length_ks_<policy>`` and friends."""
+    out: dict[str, Any] = {"staleness_note": STALENESS_NOTE, "staleness_task_model": TASK_MODEL_NOTE,
+                           "staleness_plan": dict(plan.__dict__), "staleness_runs": []}
+    for policy in STALENESS_POLICIES:
+        row = simulate_staleness(policy, plan)
+        log(f"  staleness_policy={policy:<10} trained {row['trained']} of {row['judged']} judged, "
+            f"KS {row['length_ks']}, {row['trained_samples_per_s']} trained/s (simulated)")
+        out["staleness_runs"].append(row)
+        for key in ("length_ks", "length_ks_weighted", "length_ks_zero_variance", "trained_samples_per_s"):
+            out[f"{key}_{policy}"] = row[key]
+    drop, keep = out["trained_samples_per_s_drop"], out["trained_samples_per_s_downweight"]
+    out["downweight_over_drop_throughput"] = round(keep / drop, 3) if drop and keep else None
+    return out
+
+
 # -- the benchmark -----------------------------------------------------------------------------------
 
 def run(plan: Plan, work: Path, model_dir: Path | None, *, log: Any = print) -> dict[str, Any]:
@@ -381,6 +679,13 @@ def run(plan: Plan, work: Path, model_dir: Path | None, *, log: Any = print) -> 
         "cpu_time_method": "utime+stime+cutime+cstime of each role's process (/proc/<pid>/stat), over the window, "
                            "per trained sample",
     }
+    # 6. staleness policies (in-process: before the broker starts, the CPUs to itself)
+    if plan.staleness_policies and not plan.sandboxes_only:
+        log("staleness policies: drop vs downweight on the same SIMULATED fleet (in-process event simulation)")
+        splan = StalenessPlan.quick_plan() if plan.quick else StalenessPlan()
+        out.update(staleness_policies(dataclasses.replace(splan, staleness=plan.staleness), log=log))
+    if plan.staleness_only:
+        return out
     stack = Stack(work)
     stack.start()
     try:
@@ -453,9 +758,24 @@ def _simulated_fleet(plan: Plan, stack: Any, work: Path, tiny: Path, out: dict[s
 def print_results(out: dict[str, Any]) -> None:
     from loadtests._sandbox_fleet import print_table
 
+    if "staleness_runs" in out:
+        _print_staleness(out)
     if "async_vs_sync_runs" in out:
         _print_simulated(out)
     print_table(out)
+
+
+def _print_staleness(out: dict[str, Any]) -> None:
+    plan = out["staleness_plan"]
+    print(f"\nSIMULATED staleness policies ({plan['servers']} servers, batch {plan['batch_size']}, group "
+          f"{plan['group_size']}, max_staleness {plan['staleness']}, stale_decay {plan['stale_decay']}; in-process)")
+    print(f"{'policy':<12}{'judged':>8}{'trained':>9}{'dropped':>9}{'stale-trained':>15}{'KS':>8}{'KS weighted':>13}"
+          f"{'KS zero-var':>13}{'mean len judged':>17}{'trained':>9}{'trained/s':>11}")
+    for r in out["staleness_runs"]:
+        print(f"{r['policy']:<12}{r['judged']:>8}{r['trained']:>9}{r['dropped_stale']:>9}{r['stale_trained']:>15}"
+              f"{r['length_ks']:>8.4f}{r['length_ks_weighted']:>13.4f}{r['length_ks_zero_variance']:>13.4f}"
+              f"{r['mean_length_judged']:>17.0f}{r['mean_length_trained']:>9.0f}{r['trained_samples_per_s']:>11.3f}")
+    print(f"downweight_over_drop_throughput: {out['downweight_over_drop_throughput']}")
 
 
 def _print_simulated(out: dict[str, Any]) -> None:
@@ -541,6 +861,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sandbox-hold", type=float, help="seconds each verification holds its sandbox (default 20; 5 "
                                                       "with --quick)")
     p.add_argument("--sandboxes-only", action="store_true", help="run only the sandbox growth")
+    p.add_argument("--staleness-only", action="store_true",
+                   help="run only the staleness policies' simulation (in-process, no broker; seconds to minutes)")
     # the sim host subprocess
     p.add_argument("--sim-host", type=int, help=argparse.SUPPRESS)
     p.add_argument("--token-scale", type=int, default=Plan.token_scale, help=argparse.SUPPRESS)
@@ -585,6 +907,10 @@ def main(argv: list[str] | None = None) -> int:
         if not plan.sandboxes:
             p.error("--sandboxes-only with no sandbox counts")
         plan = Plan(**{**plan.__dict__, "sandboxes_only": True})
+    if args.staleness_only:
+        if args.sandboxes_only:
+            p.error("--staleness-only and --sandboxes-only exclude each other")
+        plan = Plan(**{**plan.__dict__, "staleness_only": True, "calibrate": False})
     with tempfile.TemporaryDirectory(prefix="rollout-fleet-") as tmp:
         out = run(plan, Path(tmp), Path(args.model_dir) if args.model_dir else None)
     out["quick"] = args.quick

@@ -75,3 +75,20 @@ def test_domain_table_quick_measures_each_domain_beside_its_constant_baseline(tm
         assert row["tasks"] == 2 and 0.0 <= row["solved"] <= 1.0 and 0.0 < row["constant_baseline"] <= 1.0
         low, high = row["solved_ci95"]
         assert low <= row["solved"] <= high
+
+
+def test_fleet_quick_reports_both_staleness_policies(tmp_path: Path) -> None:
+    """``loadtests.fleet --quick --staleness-only`` (in-process, no broker): the flat keys the docs quote."""
+    out = tmp_path / "fleet.json"
+    proc = subprocess.run([sys.executable, "-m", "loadtests.fleet", "--quick", "--staleness-only", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["simulated"] is True and figures["quick"] is True
+    for policy in ("drop", "downweight"):
+        for key in ("length_ks", "length_ks_weighted", "length_ks_zero_variance"):
+            assert 0.0 <= figures[f"{key}_{policy}"] <= 1.0, key
+        assert figures[f"trained_samples_per_s_{policy}"] > 0
+    assert [r["policy"] for r in figures["staleness_runs"]] == ["drop", "downweight"]
+    assert all(r["trained"] >= 1000 for r in figures["staleness_runs"])  # thousands of samples per side
+    assert "SIMULATED staleness policies" in proc.stdout

@@ -82,3 +82,19 @@ def test_inference_api_key_from_env_or_file_never_shown(tmp_path):
         load_config(environ={"ROLLOUT__INFERENCE__API_KEY_FILE": str(tmp_path / "none")}).inference.resolved_api_key()
     with pytest.raises(ConfigError, match="api_key and api_key_file are both set"):
         load_config(environ={INFERENCE_API_KEY_ENV: "a", "ROLLOUT__INFERENCE__API_KEY_FILE": str(key_file)})
+
+
+def test_off_policy_preset_and_band_errors_name_the_field(tmp_path):
+    f = tmp_path / "learner.toml"
+    f.write_text('[learner]\noff_policy = "tis2"\n')
+    with pytest.raises(ConfigError, match=r"learner\.off_policy: Input should be 'token_tis', 'icepop'"):
+        load_config(f, environ={})
+    f.write_text('[learner]\noff_policy = "icepop"\noff_policy_band = [2.0, 0.5]\n')
+    with pytest.raises(ConfigError, match=r"learner\.off_policy_band: the band \[low, high\] needs 0 <= low < high"):
+        load_config(f, environ={})
+    f.write_text('[learner]\noff_policy = "geo_mask"\noff_policy_band = [0.9, 1.1]\nstaleness_policy = "downweight"\n')
+    cfg = load_config(f, environ={}).learner
+    assert cfg.off_policy_band == (0.9, 1.1) and cfg.staleness_policy == "downweight"
+    f.write_text('[learner]\nstaleness_policy = "keep"\n')
+    with pytest.raises(ConfigError, match=r"learner\.staleness_policy"):
+        load_config(f, environ={})

@@ -10,7 +10,16 @@ import pytest
 from modelserver.local.protocol import SamplingParams
 from modelserver.sim.engine import SimEngine
 from modelserver.sim.roofline import Roofline
-from loadtests.fleet import cpu_seconds_from_stat, process_cpu_s, ratio_stats, us_per_sample
+from loadtests.fleet import (
+    StalenessPlan,
+    cpu_seconds_from_stat,
+    draw_group,
+    ks_distance,
+    process_cpu_s,
+    ratio_stats,
+    simulate_staleness,
+    us_per_sample,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,3 +143,39 @@ def test_sandbox_growth_workload_program_holds_for_the_stated_time() -> None:
     c = completion("t1", GROUP - 1, 20.0, 80.0)
     assert "time.sleep(20.0)" in extract_program(c.text)
     assert (c.domain, c.group_size, c.spec["timeout_s"], len(c.spec["tests"])) == ("code", GROUP, 80.0, 1)
+
+
+# -- staleness policies ------------------------------------------------------------------------------
+
+def test_ks_distance_of_known_samples() -> None:
+    assert ks_distance([1, 2, 3, 4], [4, 3, 2, 1]) == 0.0
+    assert ks_distance([1, 2, 3, 4], [3, 4, 5, 6]) == pytest.approx(0.5)  # F_a(2) = 0.5, F_b(2) = 0
+    assert ks_distance([1, 2], [5, 6]) == 1.0
+    # weights on b: [1, 2] weighted 3:1 has F(1) = 0.75 against a's 0.5
+    assert ks_distance([1, 2], [1, 2], [3.0, 1.0]) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="two non-empty samples"):
+        ks_distance([], [1])
+    with pytest.raises(ValueError, match="one non-negative weight per value"):
+        ks_distance([1], [1, 2], [1.0])
+
+
+def test_draw_group_is_fixed_by_seed_and_index() -> None:
+    lengths, rewards = draw_group(0, 7, 8)
+    assert (lengths, rewards) == draw_group(0, 7, 8) and lengths != draw_group(0, 8, 8)[0]
+    assert len(lengths) == len(rewards) == 8 and set(rewards) <= {0.0, 1.0}
+    assert all(1 <= n <= 16384 for n in lengths)
+
+
+def test_staleness_simulation_drop_discards_and_downweight_trains_every_judged_sample() -> None:
+    plan = StalenessPlan(trained_target=192, servers=2, batch_size=16, group_size=4, staleness=1, token_scale=128)
+    drop, keep = simulate_staleness("drop", plan), simulate_staleness("downweight", plan)
+    for row in (drop, keep):
+        assert row["trained"] >= plan.trained_target and row["steps"] >= 2  # a step takes all pending samples
+        assert row["judged"] == row["trained"] + row["dropped_stale"]
+        assert 0.0 <= row["length_ks_zero_variance"] <= 1.0
+    assert drop["stale_trained"] == 0 and drop["length_ks"] == drop["length_ks_weighted"]
+    assert keep["dropped_stale"] == 0 and keep["length_ks"] == 0.0  # trained == judged, by construction
+    assert keep["stale_trained"] > 0  # at staleness 1 some long samples outlive the bound: trained, downweighted
+    with pytest.raises(ValueError, match="staleness policy 'keep' is not one of drop, downweight"):
+        simulate_staleness("keep", plan)
+
