@@ -338,6 +338,7 @@ class SandboxRequest(Message):
     SCHEMA: ClassVar[str] = "sandbox_request"
     VERSION: ClassVar[int] = 1
     ACTIONS: ClassVar[tuple[str, ...]] = ("open", "step", "close")
+    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset({"attempt"})
 
     episode_id: str
     step: int
@@ -346,6 +347,9 @@ class SandboxRequest(Message):
     domain: str = ""
     command: str = ""
     spec: dict[str, Any] = dataclasses.field(default_factory=dict)
+    attempt: str = ""
+    """A nonce of this generation of the episode: a group generated again (its inference actor died) reuses
+    the episode id, never the attempt, so it gets a fresh sandbox and none of the old attempt's replies."""
 
     def _check(self) -> None:
         if self.action not in self.ACTIONS:
@@ -359,7 +363,7 @@ class SandboxResult(Message):
 
     SCHEMA: ClassVar[str] = "sandbox_result"
     VERSION: ClassVar[int] = 1
-    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset({"messages"})
+    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset({"messages", "attempt"})
 
     episode_id: str
     step: int
@@ -374,6 +378,8 @@ class SandboxResult(Message):
     """On ``step`` of a ``tools`` episode: the chat messages handing the results back (``{"role": "tool",
     "name", "content"}`` per call, or a ``user`` hint), rendered whole as the template's turns; ``observation``
     is then their contents joined. Empty for a shell episode (its ``observation`` is the shell output)."""
+    attempt: str = ""
+    """The request's ``attempt``: a reply is matched by (episode_id, attempt, step)."""
 
 
 EPISODES_FULL = "too_many_episodes"

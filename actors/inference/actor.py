@@ -28,6 +28,7 @@ import contextlib
 import logging
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -187,8 +188,9 @@ class InferenceActor(StreamActor):
         self.stream_interval = cfg.stream_interval
         self.client: SGLangClient | None = None
         self.results: Consumer | None = None
-        self._replies: dict[tuple[str, int], SandboxResult] = {}
-        self._reply_events: dict[tuple[str, int], anyio.Event] = {}
+        # by (episode_id, attempt, step): a reply to another attempt of a regenerated episode never matches
+        self._replies: dict[tuple[str, str, int], SandboxResult] = {}
+        self._reply_events: dict[tuple[str, str, int], anyio.Event] = {}
         self.weight_version = 0
         self._version_applied = anyio.Event()  # set (and replaced) whenever a weight version is applied
         self._update_epoch = 0  # bumped by every weight update; an abort seen across a bump is resumed
@@ -259,7 +261,7 @@ class InferenceActor(StreamActor):
             for r in await self.results.getmany(timeout_s=0.2):
                 res = r.message
                 assert isinstance(res, SandboxResult)
-                key = (res.episode_id, res.step)
+                key = (res.episode_id, res.attempt, res.step)
                 event = self._reply_events.get(key)
                 if event is not None:
                     self._replies[key] = res
@@ -267,7 +269,7 @@ class InferenceActor(StreamActor):
                 r.ack()
 
     async def _sandbox(self, record: EventRecord, req: SandboxRequest) -> SandboxResult:
-        key = (req.episode_id, req.step)
+        key = (req.episode_id, req.attempt, req.step)
         event = self._reply_events[key] = anyio.Event()
         try:
             self.emit(record, self.rt.names.sandbox_requests, req, key=req.episode_id,
@@ -469,11 +471,15 @@ class InferenceActor(StreamActor):
                        sampling: dict[str, Any], transcript: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         """A multi-turn episode: model command, sandbox observation, ... then the final-state checks."""
         episode = sample.sample_id
+        # The sample id (so the episode id) is the same when the group is generated again after a crash;
+        # the attempt is not, so this generation gets a pristine sandbox and none of an old attempt's replies.
+        attempt = uuid.uuid4().hex[:16]
         step = 0
 
         def req(action: str, command: str = "") -> SandboxRequest:
             return SandboxRequest(episode_id=episode, step=step, action=action, reply_partition=self.reply_partition,
-                                  domain=task.domain, command=command, spec=task.spec if action == "open" else {})
+                                  domain=task.domain, command=command, spec=task.spec if action == "open" else {},
+                                  attempt=attempt)
 
         try:
             await self._open_episode(record, req("open"))

@@ -20,6 +20,11 @@ Invariants:
   does not hold (the partition moved, the process restarted, the episode idled out) is answered with
   ``error="episode_unknown"``. Requests of one episode are handled one at a time, in arrival order,
   and a re-delivered request already answered is answered again from a cache, not re-executed.
+- An episode is one attempt (``SandboxRequest.attempt``, a nonce per generation of the episode): a group
+  generated again after its inference actor died reuses the episode id, not the attempt. An ``open`` of a
+  new attempt releases the old attempt's sandbox and opens a pristine one; requests of any other attempt
+  are answered ``episode_unknown``; the reply cache is keyed by (episode, attempt, step, action). So a
+  regenerated episode never sees another attempt's sandbox or observations.
 
 Wiring (``rollout run``)::
 

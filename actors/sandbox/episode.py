@@ -52,6 +52,12 @@ class _KeyedLocks:
 class _Live:
     episode: Episode
     last_used: float
+    attempt: str = ""
+    """The ``SandboxRequest.attempt`` that opened it: requests of any other attempt never reach it."""
+
+
+_ReplyKey = tuple[str, str, int, str]
+"""(episode_id, attempt, step, action): what a reply is remembered by for re-delivered requests."""
 
 
 class EpisodeActor(_SandboxActorBase):
@@ -67,9 +73,11 @@ class EpisodeActor(_SandboxActorBase):
         self.settings = resources.settings
         self.episodes: dict[str, _Live] = {}
         self._locks = _KeyedLocks()
-        self._replies: collections.OrderedDict[tuple[str, int, str], SandboxResult] = collections.OrderedDict()
+        self._replies: collections.OrderedDict[_ReplyKey, SandboxResult] = collections.OrderedDict()
+        # (episode_id, attempt) of episodes that ended here: a re-delivered open of one must not open it again
+        self._ended: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._next_idle_check = 0.0
-        self.opened = self.closed = self.idle_closed = self.replayed = self.unknown = 0
+        self.opened = self.closed = self.idle_closed = self.replayed = self.unknown = self.superseded = 0
 
     async def handle(self, record: EventRecord) -> None:
         req = record.message
@@ -77,20 +85,21 @@ class EpisodeActor(_SandboxActorBase):
         partitions = self.rt.partitions("sandbox.results")
         if req.reply_partition >= partitions:
             raise ValueError(f"reply_partition {req.reply_partition} >= {partitions} partitions of sandbox.results")
-        key = (req.episode_id, req.step, req.action)
+        key = (req.episode_id, req.attempt, req.step, req.action)
         async with self._locks.hold(req.episode_id):
             reply = self._replies.get(key)
             replayed = reply is not None
             if reply is not None:
                 self.replayed += 1
             else:
-                reply = await self._answer(req)
+                reply = dataclasses.replace(await self._answer(req), attempt=req.attempt)
                 if not reply.error or reply.error == EPISODE_UNKNOWN:
                     self._remember(key, reply)
         span = trace.get_current_span()  # the runtime's "sandbox.step" span (span_name)
         if span.is_recording():
             span.set_attributes({"rollout.episode_id": req.episode_id, "rollout.step": req.step,
                                  "rollout.action": req.action, "rollout.domain": req.domain,
+                                 "rollout.attempt": req.attempt,
                                  "rollout.replayed": replayed, "rollout.error": reply.error,
                                  "rollout.timed_out": reply.timed_out})
             if reply.exit_code is not None:
@@ -98,17 +107,25 @@ class EpisodeActor(_SandboxActorBase):
         # emit parents the reply under this span (the runtime's traceparent for the handled record)
         self.emit(record, self.rt.names.sandbox_results, reply, key=req.episode_id, partition=req.reply_partition)
 
-    def _remember(self, key: tuple[str, int, str], reply: SandboxResult) -> None:
+    def _remember(self, key: _ReplyKey, reply: SandboxResult) -> None:
         self._replies[key] = reply
         while len(self._replies) > self.settings.reply_cache:
             self._replies.popitem(last=False)
+
+    def _end(self, episode_id: str) -> _Live:
+        """Take an episode out of the live ones; its attempt can never be opened here again."""
+        live = self.episodes.pop(episode_id)
+        self._ended[(episode_id, live.attempt)] = None
+        while len(self._ended) > self.settings.reply_cache:
+            self._ended.popitem(last=False)
+        return live
 
     async def _answer(self, req: SandboxRequest) -> SandboxResult:
         try:
             if req.action == "open":
                 return await self._open(req)
             live = self.episodes.get(req.episode_id)
-            if live is None:
+            if live is None or live.attempt != req.attempt:  # not held here, or held for another attempt
                 self.unknown += 1
                 return SandboxResult(episode_id=req.episode_id, step=req.step, observation="", error=EPISODE_UNKNOWN)
             live.last_used = time.monotonic()
@@ -120,8 +137,20 @@ class EpisodeActor(_SandboxActorBase):
 
     async def _open(self, req: SandboxRequest) -> SandboxResult:
         ok = SandboxResult(episode_id=req.episode_id, step=req.step, observation="")
-        if req.episode_id in self.episodes:  # a re-delivered open whose reply fell out of the cache
+        if req.attempt and (req.episode_id, req.attempt) in self._ended:  # a re-delivered open of an ended attempt
+            self.unknown += 1
+            return dataclasses.replace(ok, error=EPISODE_UNKNOWN)
+        held = self.episodes.get(req.episode_id)
+        if held is not None and held.attempt == req.attempt:  # a re-delivered open whose reply fell out of the cache
             return ok
+        if held is not None:
+            # The group was generated again (its inference actor died): this attempt starts pristine, and the
+            # old attempt's sandbox goes back to the pool now instead of after the idle timeout.
+            self._end(req.episode_id)
+            self.superseded += 1
+            log.info("%s: episode %s attempt %r supersedes attempt %r; releasing its sandbox", self.name,
+                     req.episode_id, req.attempt, held.attempt)
+            await held.episode.abandon()
         if len(self.episodes) >= self.resources.max_episodes:
             return dataclasses.replace(ok, error=EPISODES_FULL)
         spec, clamped = clamp_spec(req.spec, self.resources.cfg, self.settings)
@@ -140,7 +169,7 @@ class EpisodeActor(_SandboxActorBase):
         except Exception as exc:  # a spec the episode cannot be set up from (bad setup_files, ...)
             await episode.abandon()
             return dataclasses.replace(ok, error=f"bad_spec: {type(exc).__name__}: {exc}"[:2000])
-        self.episodes[req.episode_id] = _Live(episode, time.monotonic())
+        self.episodes[req.episode_id] = _Live(episode, time.monotonic(), req.attempt)
         self.opened += 1
         return dataclasses.replace(ok, facts={"clamped": clamped} if clamped else {})
 
@@ -161,7 +190,7 @@ class EpisodeActor(_SandboxActorBase):
         )
 
     async def _close(self, req: SandboxRequest, live: _Live) -> SandboxResult:
-        del self.episodes[req.episode_id]
+        self._end(req.episode_id)
         facts = await live.episode.finish()
         self.closed += 1
         return SandboxResult(episode_id=req.episode_id, step=req.step, observation="", facts=facts)
@@ -177,7 +206,7 @@ class EpisodeActor(_SandboxActorBase):
                 live = self.episodes.get(episode_id)
                 if live is None or time.monotonic() - live.last_used <= self.settings.idle_timeout_s:
                     continue  # closed or used while we waited for the lock
-                del self.episodes[episode_id]
+                self._end(episode_id)
                 log.info("%s: closing episode %s, idle for %.0fs", self.name, episode_id, now - live.last_used)
                 await live.episode.abandon()
                 self.idle_closed += 1
@@ -193,7 +222,8 @@ class EpisodeActor(_SandboxActorBase):
     def statistics(self) -> dict[str, Any]:
         stats = super().statistics()
         stats.update(episodes=len(self.episodes), opened=self.opened, closed=self.closed,
-                     idle_closed=self.idle_closed, replayed=self.replayed, unknown=self.unknown)
+                     idle_closed=self.idle_closed, replayed=self.replayed, unknown=self.unknown,
+                     superseded=self.superseded)
         return stats
 
 
