@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from sandboxes.base import Sandbox
+from sandboxes.deathwatch import DeathWatch
 from sandboxes.limits import Limits
 from sandboxes.registry import sandbox_backend
 
@@ -83,7 +84,9 @@ class SandboxPool:
 
     ``acquire()`` hands out an idle sandbox (creating one while fewer than ``max_size`` exist, else
     waiting); leaving it resets the sandbox to pristine before another user can get it. A reaper runs
-    at start and every ``reap_interval_s`` for leftovers of dead processes. A burst grows the pool up
+    at start and every ``reap_interval_s`` for leftovers of dead processes, and a watcher process
+    (:mod:`sandboxes.deathwatch`) reaps this pool's sandboxes within moments of this process dying,
+    SIGKILL included (the periodic pass is then only the fallback). A burst grows the pool up
     to ``max_size``; idle sandboxes beyond ``size`` are closed once unused for ``idle_ttl_s`` (the
     most recently used are handed out first, so the surplus is what goes cold).
 
@@ -129,10 +132,16 @@ class SandboxPool:
         self._tasks: list[asyncio.Task[None]] = []  # the reaper and the trimmer
         self._closed = False
         self._created = self._resets = self._reaped = self._trimmed = 0
+        self._deathwatch: DeathWatch | None = None
 
     async def start(self) -> SandboxPool:
         ensure_fd_headroom(self.max_size)
         await self.reap()
+        if sandbox_backend(self.backend).reap is not None and self._deathwatch is None:
+            try:
+                self._deathwatch = DeathWatch(self.backend)
+            except OSError as exc:  # the periodic pass still reaps, only later
+                log.warning("cannot start the sandbox death watcher: %s", exc)
         self._tasks = [asyncio.ensure_future(self._every(self.reap_interval_s, self.reap, "reaper pass")),
                        asyncio.ensure_future(self._every(min(self.idle_ttl_s / 2, 30.0), self.trim, "trim"))]
         await asyncio.gather(*(self._add_idle() for _ in range(self.size)))
@@ -275,5 +284,8 @@ class SandboxPool:
         for sandbox in idle:
             self._all.discard(sandbox)
         await asyncio.gather(*(s.close() for s in idle))
+        if self._deathwatch is not None:
+            watch, self._deathwatch = self._deathwatch, None
+            await asyncio.to_thread(watch.close)
 
 
