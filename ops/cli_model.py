@@ -2,8 +2,9 @@
 
 ``prepare`` writes a Hugging Face model directory and prints its path as the last line of stdout
 (progress goes to stderr), so scripts can take ``$(rollout model prepare smollm2-135m | tail -1)``.
-A registered model is cached under ``<cache_dir>/models`` (``ROLLOUT_CACHE_DIR``, beside the Kafka
-jars) and preparing it again returns at once.
+A registered model (built in, or added by an installed package's ``rollout_engine.models`` entry point)
+is cached under ``<cache_dir>/models`` (``ROLLOUT_CACHE_DIR``, beside the Kafka jars) and preparing it
+again returns at once.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ def _prepare(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     from modelserver.prepare import MODELS, cached_model_dir
 
-    for name, model in MODELS.items():
+    for name in MODELS.names():  # built in, and those installed packages add (entry points)
         path = cached_model_dir(name, args.cache_dir)
         state = "prepared" if path.is_dir() else "not prepared"
-        print(f"{name}\t{state}\t{path}\t{model.description}")
+        print(f"{name}\t{state}\t{path}\t{MODELS[name].description}")
+    for name, why in sorted(MODELS.unavailable_names().items()):
+        print(f"{name}\tunavailable\t-\t{why}")
     return 0
 
 

@@ -23,7 +23,8 @@ import traceback
 import anyio
 
 from modelserver.model_dir import check_config_model_dir
-from engine.config import ROLES, ConfigError, EngineConfig, load_config
+from engine.config import ROLES, ConfigError, EngineConfig
+from ops.deployment import load_deployment_config
 
 log = logging.getLogger("rollout.run")
 
@@ -45,7 +46,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     try:
-        cfg = load_config(args.config, files=True)
+        cfg = load_deployment_config(args.config, files=True)  # the backend names too
         check_config_model_dir(cfg, args.config)
     except ConfigError as exc:
         print(f"rollout run: {exc}", file=sys.stderr)

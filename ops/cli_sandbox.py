@@ -46,7 +46,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _reap(args: argparse.Namespace) -> int:
-    from sandboxes.reaper import reap
+    from sandboxes.bwrap import reap
 
     report = reap()
     print(json.dumps(dataclasses.asdict(report)))

@@ -29,8 +29,9 @@ from domains import DOMAINS, score
 from actors.evaluate import DomainScore, evaluate
 from actors.inference.actor import format_observation
 from modelserver.launch import LocalServer
-from engine.config import EngineConfig, load_config
+from engine.config import EngineConfig
 from engine.schemas import Experience
+from ops.deployment import load_deployment_config
 from streams.kafka import Consumer
 from streams.nats import Nats
 from streams.weights import fetch_latest_model
@@ -129,7 +130,7 @@ async def run_real_demo(run_dir: Path, plan: RealPlan, bootstrap: str, nats_url:
         lambda: prepare_model(plan.model, log=lambda *_: None))
     cfg = real_config(namespace, bootstrap, nats_url, run_dir, plan)
     if config_path:
-        cfg = load_config(config_path, overrides={"namespace": namespace})
+        cfg = load_deployment_config(config_path, overrides={"namespace": namespace})
     cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"model_dir": str(model_dir)})})
     print(f"model {model_dir}", flush=True)
     print(f"1/3 held-out evaluation before RL ({', '.join(f'{d} {n}' for d, n in plan.heldout.items())} tasks, "
@@ -379,7 +380,7 @@ async def run_demo(config_path: str | None, run_dir: Path, plan: DemoPlan, boots
     namespace = f"demo-{int(time.time())}"
     cfg = default_config(namespace, bootstrap, nats_url, run_dir, plan)
     if config_path:
-        cfg = load_config(config_path, overrides={"namespace": namespace})
+        cfg = load_deployment_config(config_path, overrides={"namespace": namespace})
     model_dir = run_dir / "model"
     shutil.rmtree(model_dir, ignore_errors=True)
     t0 = time.monotonic()

@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 
 from engine.actor import Actor, RestartPolicy, Supervisor
-from engine.config import ROLES, EngineConfig
+from engine.config import ROLES, ConfigError, EngineConfig, load_config
 
 log = logging.getLogger("rollout.deployment")
 
@@ -42,6 +42,52 @@ def ensure_model_dir(cfg: EngineConfig, run_dir: Path) -> Path:
     if not (path / "config.json").exists():
         write_tiny_model_dir(path, seed=cfg.learner.seed)
     return path
+
+
+def backend_errors(cfg: EngineConfig) -> list[tuple[str, str]]:
+    """What the config's backend names get wrong, as ``(field, message)``; empty when every name is usable.
+
+    Checked here, where the deployment is wired, not in engine/config.py: the registries belong to the
+    packages above the engine (modelserver/, sandboxes/), and a name a plugin registers must be accepted.
+    """
+    from modelserver.backends import inference_backend
+    from sandboxes.registry import sandbox_backend
+
+    errors: list[tuple[str, str]] = []
+    inference = cfg.inference
+    try:
+        backend = inference_backend(inference.backend)  # ValueError naming the registered backends
+    except ValueError as exc:
+        errors.append(("inference.backend", str(exc)))
+    else:
+        if not inference.urls and backend.launch is None:
+            errors.append(("inference.urls", f"backend {inference.backend!r} needs the URLs of its servers or "
+                                             "router (it starts none of its own)"))
+        if inference.model_dir is None and backend.needs_model_dir:
+            errors.append(("inference.model_dir", f"backend {inference.backend!r} needs the model directory its "
+                           "servers serve (the directory they were started with, e.g. SGLang's `--model-path`): "
+                           "the learner starts from it and the inference actor tokenizes with it; set "
+                           "inference.model_dir"))
+    try:
+        sandbox_backend(cfg.sandbox.backend)
+    except ValueError as exc:
+        errors.append(("sandbox.backend", str(exc)))
+    return errors
+
+
+def load_deployment_config(path: str | Path | None = None, **kwargs: Any) -> EngineConfig:
+    """:func:`engine.config.load_config` for a process that runs roles: the backend names are checked too.
+
+    Raises ConfigError naming the file and the field (``deploy.toml: inference.backend: unknown ...``).
+    """
+    return load_config(path, checks=(backend_errors,), **kwargs)
+
+
+def check_backends(cfg: EngineConfig) -> None:
+    """:func:`backend_errors` of a config built in code (not loaded from a file): ConfigError, one line each."""
+    errors = backend_errors(cfg)
+    if errors:
+        raise ConfigError("\n".join(f"{field}: {message}" for field, message in errors))
 
 
 def load_plugins(cfg: EngineConfig) -> None:
@@ -85,6 +131,7 @@ class Deployment:
     async def __aenter__(self) -> "Deployment":
         try:
             load_plugins(self.cfg)
+            check_backends(self.cfg)  # after the plugins: they may register backends
             await self._wire()
         except BaseException:
             await self._stack.aclose()

@@ -32,6 +32,7 @@ class Module:
     purpose: str
     project: set[str] = field(default_factory=set)  # dotted project modules/packages imported
     external: set[str] = field(default_factory=set)  # top-level third-party/stdlib names
+    names: set[str] = field(default_factory=set)  # every project name imported, ``from a import b`` as ``a.b``
 
     @property
     def package(self) -> str:
@@ -69,11 +70,16 @@ def read_module(path: Path, root: Path = ROOT) -> Module:
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             targets = [_resolve(name, node, path.name == "__init__.py")]
+            if targets[0].split(".", 1)[0] in PACKAGES:  # ``b`` may be a module (import_graph tells)
+                mod.names.update(targets[0] if alias.name == "*" else f"{targets[0]}.{alias.name}"
+                                 for alias in node.names)
         for target in targets:
             top = target.split(".", 1)[0]
             if top in PACKAGES:
                 if target != name:
                     mod.project.add(target)
+                if isinstance(node, ast.Import):
+                    mod.names.add(target)
             elif top and top != "__future__":
                 mod.external.add(top)
     return mod
@@ -83,6 +89,65 @@ def collect(root: Path = ROOT) -> list[Module]:
     """Every module of the project packages, sorted by dotted name."""
     files = sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py") if "__pycache__" not in p.parts)
     return sorted((read_module(p, root) for p in files), key=lambda m: m.name)
+
+
+def import_graph(modules: list[Module]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (at any level, in functions too).
+
+    An imported name maps to the longest dotted prefix that is a module, so ``from sandboxes import bwrap``
+    is an edge to ``sandboxes.bwrap`` and ``from engine.config import ROLES`` one to ``engine.config``.
+    """
+    known = {m.name for m in modules}
+
+    def owner(dotted: str) -> str | None:
+        parts = dotted.split(".")
+        return next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in known), None)
+
+    return {m.name: {o for o in map(owner, m.names) if o is not None and o != m.name} for m in modules}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph``: each strongly connected component of more than one module, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):  # Tarjan's algorithm, iterative (a deep chain must not hit the recursion limit)
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in graph:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
 
 
 STDLIB = frozenset(sys.stdlib_module_names)

@@ -8,7 +8,7 @@ A sandbox owns (all named after its id, ``sbx-<uid>``):
   ``tmp/`` (-> /tmp) and the root-owned ``verify/`` (-> /verify, read-only);
 - cgroups ``rollout/sbx-<uid>`` (memory, pids, cpu);
 - an owner file ``<root>/sbx-<uid>.owner`` ("pid starttime") that claims the uid and tells the
-  reaper whether the owning process is still alive.
+  reaper (:func:`reap`, ``rollout sandbox reap``) whether the owning process is still alive.
 
 At creation bwrap starts blocked (``--block-fd``) and reports its namespace child (``--info-fd``);
 both are put into the cgroups before they can fork, then released. The child is the init
@@ -52,7 +52,7 @@ from sandboxes.base import (
     SandboxError,
     normalize_path,
 )
-from sandboxes.cgroups import CgroupSet, available_controllers
+from sandboxes.cgroups import CgroupSet, available_controllers, list_groups
 from sandboxes.limits import Limits
 from sandboxes.registry import register_sandbox_backend
 from sandboxes.seccomp import SECCOMP_PROGRAM
@@ -578,10 +578,61 @@ def _read_available(fd: int) -> str:
         return ""
 
 
-async def reap_leftovers() -> int:
-    """Sandboxes of dead processes removed by one reaper pass (the reaper imports this module, hence lazily)."""
-    from sandboxes.reaper import reap
+# -- the reaper: what dead sandbox owners left behind ------------------------------------------------
+# Ours are recognised by name only inside our own namespaces (``rollout/sbx-*`` cgroups, ``sbx-*`` entries
+# of the sandbox root) and judged dead by their owner file: the owner pid is gone, or the pid now belongs
+# to another process (its start time differs). Processes are found through the cgroups, never by name.
 
+
+@dataclasses.dataclass(frozen=True)
+class ReapReport:
+    sandboxes: int
+    processes: int
+
+
+def _owner_alive(owner_file: Path) -> bool:
+    try:
+        pid_text, start = owner_file.read_text().split()
+    except (OSError, ValueError):
+        return False
+    return process_start_time(int(pid_text)) == start
+
+
+def reap(root: Path | None = None) -> ReapReport:
+    """Remove the processes, cgroups, workspaces and uid claims of dead owners, in one pass over the host;
+    safe to run while live sandboxes (of any process) exist."""
+    root = root or SANDBOX_ROOT
+    controllers = available_controllers()
+    dead: set[str] = set()
+    if root.is_dir():
+        for entry in root.iterdir():
+            name = entry.name.removesuffix(".owner")
+            if not name.startswith(PREFIX) or name.startswith(f"{PREFIX}u"):
+                continue
+            if not _owner_alive(root / f"{name}.owner"):
+                dead.add(name)
+    for name in list_groups():
+        if name.startswith(PREFIX) and not _owner_alive(root / f"{name}.owner"):
+            dead.add(name)
+    killed = 0
+    for name in sorted(dead):
+        group = CgroupSet(name, controllers)
+        killed += len(group.pids())
+        group.kill_all()
+        group.remove()
+        workspace = root / name
+        if workspace.exists():
+            _umount(workspace)
+            shutil.rmtree(workspace, ignore_errors=True)
+        try:
+            (root / f"{name}.owner").unlink()
+        except FileNotFoundError:
+            pass
+    return ReapReport(sandboxes=len(dead), processes=killed)
+
+
+async def reap_leftovers() -> int:
+    """Sandboxes of dead processes removed by one reaper pass (the registry's ``reap`` for this backend)."""
     return reap().sandboxes
 
 

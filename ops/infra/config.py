@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.cache import CACHE_DIR_ENV, default_cache_dir  # one cache root for every package
 from ops.infra.errors import InfraError
 
 HOST = "127.0.0.1"
@@ -35,11 +36,6 @@ def pom_kafka_version(pom: Path = POM_PATH) -> str:
     if match is None:
         raise InfraError(f"{pom}: no <kafka.version> property")
     return match.group(1).strip()
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rollout-engine"
 
 
 class InfraConfig(BaseModel):
@@ -110,7 +106,7 @@ class InfraConfig(BaseModel):
 # field -> environment variables, first match wins.
 ENV_VARS: dict[str, tuple[str, ...]] = {
     "state_dir": ("ROLLOUT_STATE_DIR",),
-    "cache_dir": ("ROLLOUT_CACHE_DIR",),
+    "cache_dir": (CACHE_DIR_ENV,),
     "kafka_port": ("ROLLOUT_KAFKA_PORT",),
     "jaeger_otlp_port": ("ROLLOUT_JAEGER_OTLP_PORT",),
     "jaeger_port": ("ROLLOUT_JAEGER_PORT",),

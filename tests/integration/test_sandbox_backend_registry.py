@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from pydantic import ValidationError
 
 from actors.sandbox import SandboxResources
-from engine.config import SandboxConfig
+from engine.config import ConfigError, EngineConfig, SandboxConfig
+from ops.deployment import backend_errors, check_backends
 from sandboxes import (ExecResult, Limits, open_sandbox, register_sandbox_backend, sandbox_backend_names,
                        unregister_sandbox_backend)
 from sandboxes.bwrap import BwrapSandbox
@@ -64,15 +64,15 @@ TESTS = [{"name": "adds", "code": "from solution import f\nassert f(2) == 4\n"},
 
 def test_config_accepts_only_registered_backends(marked_backend: str) -> None:
     assert {"bwrap", "docker", NAME} <= set(sandbox_backend_names())
-    assert SandboxConfig(backend=NAME).backend == NAME
-    with pytest.raises(ValidationError, match=r"sandbox.*'nope'.*expected one of.*marked_test"):
-        SandboxConfig(backend="nope")
+    assert backend_errors(EngineConfig(sandbox=SandboxConfig(backend=NAME))) == []
+    with pytest.raises(ConfigError, match=r"sandbox.*'nope'.*expected one of.*marked_test"):
+        check_backends(EngineConfig(sandbox=SandboxConfig(backend="nope")))
 
 
 def test_an_unregistered_backend_is_unknown_again(marked_backend: str) -> None:
     unregister_sandbox_backend(NAME)
-    with pytest.raises(ValidationError, match="marked_test"):
-        SandboxConfig(backend=NAME)
+    with pytest.raises(ConfigError, match="marked_test"):
+        check_backends(EngineConfig(sandbox=SandboxConfig(backend=NAME)))
 
 
 @pytest.mark.anyio

@@ -47,22 +47,6 @@ def test_env_values_parse_as_toml_or_string():
     assert EngineConfig.model_validate(env).scheduler.domains["code"] == 2.0
 
 
-def test_sglang_backend_must_name_its_model_and_servers(tmp_path):
-    f = tmp_path / "sglang.toml"
-    f.write_text('[inference]\nbackend = "sglang"\nurls = ["http://sglang:30000"]\n')
-    with pytest.raises(ConfigError) as ei:
-        load_config(f, environ={})
-    message = str(ei.value)
-    assert message.startswith(f"{f}: inference.model_dir: backend 'sglang' needs the model directory")
-    assert "Value error" not in message
-    cfg = load_config(f, environ={"ROLLOUT__INFERENCE__MODEL_DIR": "/models/policy"})
-    assert cfg.inference.model_dir == "/models/policy"
-    f.write_text('[inference]\nbackend = "sglang"\nmodel_dir = "/models/policy"\n')
-    with pytest.raises(ConfigError, match=r"sglang\.toml: inference\.urls: backend 'sglang' needs the URLs"):
-        load_config(f, environ={})
-    assert load_config(environ={}).inference.model_dir is None  # the local backend may build its tiny model
-
-
 def test_inference_api_key_from_env_or_file_never_shown(tmp_path):
     from engine.config import INFERENCE_API_KEY_ENV
 

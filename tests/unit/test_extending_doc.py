@@ -14,7 +14,8 @@ import pytest
 from domains import DOMAINS, reward_fn, unregister_domain
 from modelserver.backends import inference_backend, unregister_inference_backend
 from modelserver.launch import LocalServer
-from engine.config import InferenceConfig, SandboxConfig
+from engine.config import EngineConfig, InferenceConfig
+from ops.deployment import backend_errors
 from sandboxes.registry import sandbox_backend, unregister_sandbox_backend
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
@@ -70,13 +71,14 @@ def test_the_sandbox_backend_snippet_registers_a_backend_the_config_accepts(clea
     backend = sandbox_backend("bwrap_seeded")
     assert backend.create == namespace["SeededSandbox"].create  # type: ignore[attr-defined]
     assert backend.reap is not None
-    assert SandboxConfig(backend="bwrap_seeded").backend == "bwrap_seeded"
+    assert backend_errors(EngineConfig.model_validate({"sandbox": {"backend": "bwrap_seeded"}})) == []
 
 
 def test_the_inference_backend_snippet_registers_a_launcher(cleanup: None, tmp_path: Path) -> None:
     run_snippet("A new inference backend")
     launch = inference_backend("local_small").launch
-    assert launch is not None and InferenceConfig(backend="local_small").backend == "local_small"
+    assert launch is not None
+    assert backend_errors(EngineConfig.model_validate({"inference": {"backend": "local_small"}})) == []
     server = launch(InferenceConfig(backend="local_small"), tmp_path / "model", tmp_path)
     assert isinstance(server, LocalServer) and server.max_batch == 8
     assert server.log_path == tmp_path / "logs" / "inference-server.log"

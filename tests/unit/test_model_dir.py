@@ -7,6 +7,7 @@ Broken directories are built in tmp_path from symlinks to the prepared SmolLM2-1
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ import torch
 from modelserver import prepare as model_prepare
 from modelserver.llm import load_model_dir, write_tiny_model_dir
 from modelserver.model_dir import ModelDirError, check_config_model_dir, check_model_dir, gguf_architecture
-from modelserver.prepare import ModelPrepareError, PreparableModel, prepare_model
+from modelserver.prepare import (MODEL_ENTRY_POINT_GROUP, MODELS, ModelPrepareError, PreparableModel, prepare_model,
+                                  register_model, unregister_model)
 from engine.config import ConfigError, load_config
 from ops.cli import main as rollout
 
@@ -280,8 +282,16 @@ def test_prepare_writes_once_into_the_cache_and_is_quick_after(tmp_path: Path, m
         (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
         return path
 
-    monkeypatch.setitem(model_prepare.MODELS, "tiny-test", PreparableModel("tiny-test", "tiny-dir", LocalSource()))  # type: ignore[arg-type]
+    register_model(PreparableModel("tiny-test", "tiny-dir", LocalSource()))  # type: ignore[arg-type]
     monkeypatch.setattr(model_prepare, "convert_gguf", fake_convert)
+    try:
+        _prepare_twice_then_damage(tmp_path, fetched)
+    finally:
+        unregister_model("tiny-test")
+    assert "tiny-test" not in MODELS
+
+
+def _prepare_twice_then_damage(tmp_path: Path, fetched: list[Path]) -> None:
     first = prepare_model("tiny-test", tmp_path)
     assert first == tmp_path / "models" / "tiny-dir"
     assert prepare_model("tiny-test", tmp_path) == first
@@ -294,3 +304,52 @@ def test_prepare_writes_once_into_the_cache_and_is_quick_after(tmp_path: Path, m
         prepare_model("tiny-test", tmp_path)
     with pytest.raises(ModelPrepareError, match="unknown model 'nope'; preparable: .*smollm2-135m"):
         prepare_model("nope", tmp_path)
+
+
+def test_models_are_a_registry_refusing_duplicates_and_bad_directory_names() -> None:
+    assert MODELS.kind == "model" and MODELS.entry_point_group == MODEL_ENTRY_POINT_GROUP == "rollout_engine.models"
+    builtin = MODELS["smollm2-135m"]
+    assert builtin.dir_name == "smollm2-135m-instruct" and MODELS.origin("smollm2-135m") == ""
+    with pytest.raises(ValueError, match="'smollm2-135m' is already registered"):
+        register_model(builtin)
+    for bad in ("../escape", "a/b", ".."):
+        with pytest.raises(ValueError, match="must be one directory name"):
+            register_model(PreparableModel("bad-dir-test", bad, builtin.source))
+    assert "bad-dir-test" not in MODELS
+
+
+def _dist(site: Path, name: str, entry_points: str) -> None:
+    """A minimal installed distribution (what pip writes): importlib.metadata finds its entry points."""
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+def test_an_installed_package_adds_models_through_the_entry_point_group(tmp_path: Path) -> None:
+    """A separate `rollout` process (entry points load once per process) sees the plugin's models in
+    `model list`; a plugin that fails to import is listed as unavailable and `prepare` says why."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "my_models.py").write_text(
+        "from modelserver.prepare import PreparableModel, WheelGGUF\n"
+        "MODELS = [PreparableModel('tiny-plugin', 'tiny-plugin-dir', WheelGGUF('tiny-plugin==1.0', 'm.gguf'),\n"
+        "                          description='a plugin model')]\n")
+    _dist(site, "my-models", f"[{MODEL_ENTRY_POINT_GROUP}]\ntiny = my_models:MODELS\nbroken = no_such_models_mod:X\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    cache = tmp_path / "cache"
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ops.cli", "model", *argv], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    listing = run("list", "--cache-dir", str(cache))
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split("\t")[0]: line.split("\t") for line in listing.stdout.splitlines()}
+    assert rows["tiny-plugin"] == ["tiny-plugin", "not prepared", str(cache / "models" / "tiny-plugin-dir"),
+                                   "a plugin model"]
+    assert rows["smollm2-135m"][1] in ("prepared", "not prepared")
+    assert rows["broken"][1] == "unavailable" and "ModuleNotFoundError" in rows["broken"][3]
+    refused = run("prepare", "broken", "--cache-dir", str(cache))
+    assert refused.returncode == 1
+    assert "model 'broken' is unavailable here: entry point broken = no_such_models_mod:X" in refused.stderr
