@@ -23,7 +23,8 @@ import numpy as np
 
 from engine.config import KafkaConfig
 from engine.schemas import Experience
-from streams.kafka import Consumer
+from streams.protocols import AssignedConsumer, EventLog
+from streams.transports import KafkaEventLog
 
 
 class ExportError(RuntimeError):
@@ -154,15 +155,22 @@ def _write_parquet_part(out: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, out / f"part-{n:06d}.parquet")
 
 
-async def export_parquet(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
+def _reader(source: EventLog | KafkaConfig, topic: str, start: dict[tuple[str, int], int]) -> AssignedConsumer:
+    """Every partition of ``topic`` from the stored position (the beginning where it has none)."""
+    log = KafkaEventLog(source) if isinstance(source, KafkaConfig) else source
+    return log.assigned_consumer(topics=[topic], start_offsets=start, expect=(Experience.SCHEMA,),
+                                 client_id="rollout-export")
+
+
+async def export_parquet(source: EventLog | KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
                          idle_s: float = 3.0, sft: SftView | None = None) -> tuple[int, int]:
     """Like :func:`export_jsonl`, into the directory ``out`` as Parquet part files (one per batch read)."""
     start = read_position(out)
     offsets = dict(start)
     read = written = 0
     make_row = _row_for(sft)
-    consumer = Consumer(cfg, assign_topics=[topic], start_offsets=start or None, expect=(Experience.SCHEMA,))
-    async with consumer:
+    consumer = await _reader(source, topic, start).start()
+    try:
         while records := await consumer.getmany(timeout_s=idle_s):
             rows = []
             for rec in records:
@@ -180,12 +188,16 @@ async def export_parquet(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFil
                                       f"({exc.strerror or exc}); earlier part files are kept") from None
             written += len(rows)
             _write_position(out, offsets)
+    finally:
+        await consumer.close()
     return read, written
 
 
-async def export_jsonl(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
+async def export_jsonl(source: EventLog | KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
                        idle_s: float = 3.0, sft: SftView | None = None) -> tuple[int, int]:
     """Append the records of ``topic`` after the stored position to ``out``; returns (read, written).
+
+    ``source`` is the event log to read (a ``KafkaConfig`` means that cluster's).
 
     Stops once no record has arrived for ``idle_s`` (the log is read to its current end). With ``sft``,
     rows are the SFT view of the successful records (see :class:`SftView`).
@@ -198,9 +210,9 @@ async def export_jsonl(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilte
         f = out.open("a", encoding="utf-8")
     except OSError as exc:
         raise ExportError(f"{out}: cannot open for writing: {exc.strerror or exc}") from None
-    consumer = Consumer(cfg, assign_topics=[topic], start_offsets=start or None, expect=(Experience.SCHEMA,))
-    async with consumer:
-        with f:
+    with f:
+        consumer = await _reader(source, topic, start).start()
+        try:
             while True:
                 records = await consumer.getmany(timeout_s=idle_s)
                 if not records:
@@ -223,4 +235,6 @@ async def export_jsonl(cfg: KafkaConfig, topic: str, out: Path, flt: ExportFilte
                                       f"rows before are kept and {position_path(out).name} marks where to resume") from None
                 written += len(lines)
                 _write_position(out, offsets)
+        finally:
+            await consumer.close()
     return read, written

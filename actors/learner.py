@@ -1,4 +1,4 @@
-"""The learner role: experience from Kafka in, weights over NATS and checkpoints out.
+"""The learner role: experience from the event log in, weights into the control store and checkpoints out.
 
 ``LearnerActor`` wraps the infrastructure-free ``Learner`` (``learning/core.py``):
 
@@ -62,7 +62,7 @@ from actors.runtime import Runtime
 from engine.actor import Actor
 from engine.schemas import Experience
 from engine.topics import Names
-from streams.kafka import Consumer
+from streams.protocols import AssignedConsumer
 from streams.weights import WeightPublisher
 
 log = logging.getLogger("rollout.learner")
@@ -146,7 +146,7 @@ class LearnerActor(Actor):
         self.store = CheckpointStore(Path(self.cfg.checkpoint_dir) / rt.cfg.namespace)
         self.learner: Learner | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
-        self.consumer: Consumer | None = None
+        self.consumer: AssignedConsumer | None = None
         self.publisher: WeightPublisher | None = None
         self.resumed_from: Path | None = None
         self.last_checkpoint: Path | None = None
@@ -173,11 +173,10 @@ class LearnerActor(Actor):
         self._audit([{"event": "start", "life": self._life, "step": self.learner.step_count,
                       "version": self.learner.version,
                       "resumed_from": self.resumed_from.name if self.resumed_from else None}])
-        self.publisher = WeightPublisher(self.rt.require_nats(), self.rt.names, producer=self.name)
-        self.consumer = await Consumer(
-            self.rt.cfg.kafka, assign_topics=[self.rt.names.experience], start_offsets=dict(self.learner.offsets),
-            expect=(Experience.SCHEMA,), dead_letters=self.rt.producer, dlq_topic=self.rt.names.dlq,
-            client_id=f"learner-{self.rt.instance}").start()
+        self.publisher = WeightPublisher(self.rt.require_control(), self.rt.names, producer=self.name)
+        self.consumer = await self.rt.assigned_consumer(
+            "learner", topics=[self.rt.names.experience], start_offsets=dict(self.learner.offsets),
+            expect=(Experience.SCHEMA,)).start()
         await self._announce_on_start()
         await self._put_status()
 
@@ -356,7 +355,7 @@ class LearnerActor(Actor):
         if self.cfg.simulate is not None:
             status["simulated"] = True
         self._status_never_trained = self.learner.never_trained
-        await self.rt.require_nats().kv_put(self.rt.kv_bucket, Names.LEARNER_VERSION_KEY, json.dumps(status).encode())
+        await self.rt.require_control().kv_put(self.rt.kv_bucket, Names.LEARNER_VERSION_KEY, json.dumps(status).encode())
 
     async def _announce_on_start(self) -> None:
         assert self.learner is not None and self.publisher is not None

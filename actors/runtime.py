@@ -1,7 +1,8 @@
-"""What every role gets from the process that runs it, and the loop shared by Kafka-consuming roles.
+"""What every role gets from the process that runs it, and the loop shared by the roles that consume a topic.
 
-``Runtime`` holds the process's connections (one producer, one NATS connection) and the names of
-the deployment; roles receive it and never know who built it (``ops/cli_run.py`` does).
+``Runtime`` holds the process's connections (one producer on the event log, one control store) and the
+names of the deployment; roles receive it and never know who built it (``ops/cli_run.py`` does), nor which
+transport carries it (the config's ``transport.type``, ``streams/transports.py``).
 
 ``StreamActor`` is the consume -> handle -> produce -> ack loop of the design:
 
@@ -9,7 +10,7 @@ the deployment; roles receive it and never know who built it (``ops/cli_run.py``
 - a handler emits its outputs with ``emit``; the record is acknowledged only after every output is
   acknowledged by the broker, and offsets are committed only for acknowledged records;
 - a handler that raises on a record dead-letters that record (reason ``handler_error``) and the
-  actor goes on; infrastructure failures (``TransportError``: Kafka's ``StreamError``, ``NatsError``) propagate, crash the actor
+  actor goes on; infrastructure failures (``TransportError``, which each transport's errors subclass) propagate, crash the actor
   and let the supervisor restart it, which re-delivers whatever was not committed;
 - a handler may ``defer_ack(record)``: the record then stays unacknowledged when ``handle`` returns, and
   the actor acks it itself (``record.ack()``) once the effects it waited for are acknowledged (the
@@ -36,20 +37,23 @@ from engine.actor import Actor
 from engine.config import EngineConfig, check_files
 from engine.schemas import Message
 from engine.topics import TOPIC_SUFFIXES, Names
-from streams.protocols import ControlStore, EventConsumer, EventLog, EventProducer, EventRecord, TransportError
-from streams.transports import KafkaEventLog, nats_store
+from streams.protocols import (AssignedConsumer, ControlStore, EventConsumer, EventLog, EventProducer, EventRecord,
+                               TransportError)
+from streams.transports import transport_named
 
 log = logging.getLogger("rollout.actors")
 
-# Kafka's StreamError and NATS's NatsError are TransportErrors, as are the in-memory transports' failures.
+# Every transport's failures are TransportErrors (Kafka's StreamError, NATS's NatsError, the in-memory ones).
 INFRA_ERRORS: tuple[type[BaseException], ...] = (TransportError,)
 
 
 class Runtime:
     """Shared connections of one process. ``async with Runtime(cfg) as rt``.
 
-    The transports are the config's Kafka and NATS unless ``event_log`` / ``store`` are given (the
-    in-memory ones of ``streams/memory.py`` in tests): roles only see the protocols of ``streams/protocols.py``.
+    The event log and the control store are the config's transport's (``transport.type``: Kafka and NATS
+    by default) unless ``event_log`` / ``store`` are given (tests share one in-memory pair between
+    runtimes): roles only see the protocols of ``streams/protocols.py``. ``use_nats=False`` builds no
+    control store (the name predates the control store's; roles that need one then fail at once).
     """
 
     def __init__(self, cfg: EngineConfig, *, instance: str | None = None, use_nats: bool = True,
@@ -57,14 +61,21 @@ class Runtime:
         self.cfg = cfg
         self.names = Names(cfg.namespace)
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}"
-        self.event_log: EventLog = event_log if event_log is not None else KafkaEventLog(cfg.kafka)
+        transport = transport_named(cfg.transport.type)  # ConfigError naming transport.type when unknown
+        self.event_log: EventLog = event_log if event_log is not None else transport.event_log(cfg)
         self.producer: EventProducer = self.event_log.producer(producer_id=f"{cfg.namespace}/{self.instance}")
         if not use_nats:
             store = None
         elif store is None:
-            store = nats_store(cfg.nats)
-        self.nats: ControlStore | None = store
+            store = transport.control_store(cfg)
+        self.control: ControlStore | None = store
+        """The control store (weights, learner version, statistics); None when built with ``use_nats=False``."""
         self._started = False
+
+    @property
+    def nats(self) -> ControlStore | None:
+        """The control store under its old name (it is NATS only under the ``kafka`` transport): use ``control``."""
+        return self.control
 
     @property
     def kv_bucket(self) -> str:
@@ -73,14 +84,15 @@ class Runtime:
         return self.names.bucket(self.cfg.nats.kv_bucket)
 
     def partitions(self, suffix: str) -> int:
+        """Partitions of the topic ``suffix`` (the ``kafka`` section sizes the topics of every transport)."""
         return self.cfg.kafka.partitions.get(suffix, self.cfg.kafka.default_partitions)
 
     async def start(self) -> "Runtime":
         check_files(self.cfg)  # every file the config names, before any connection
         await self.event_log.ensure_topics({self.names.topic(s): self.partitions(s) for s in TOPIC_SUFFIXES})
         await self.producer.start()
-        if self.nats is not None:
-            await self.nats.connect()
+        if self.control is not None:
+            await self.control.connect()
         self._started = True
         return self
 
@@ -93,8 +105,8 @@ class Runtime:
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
             await self.producer.close()
-            if self.nats is not None:
-                await self.nats.close()
+            if self.control is not None:
+                await self.control.close()
 
     def consumer(self, role: str, suffixes: list[str], expect: tuple[str, ...], **kw: Any) -> EventConsumer:
         """A member of the role's consumer group on the given topics, dead-lettering poison records."""
@@ -102,11 +114,26 @@ class Runtime:
                                        expect=expect, dead_letters=self.producer, dlq_topic=self.names.dlq,
                                        client_id=f"{role}-{self.instance}", **kw)
 
+    def assigned_consumer(self, role: str, *, topics: list[str] | None = None,
+                          partitions: list[tuple[str, int]] | None = None,
+                          start_offsets: dict[tuple[str, int], int] | None = None, from_end: bool = False,
+                          expect: tuple[str, ...]) -> AssignedConsumer:
+        """A consumer of every partition of ``topics`` (full names) or of exactly ``partitions``, outside any
+        group, from ``start_offsets`` (see ``streams.protocols.AssignedConsumer``); poison records go to the
+        dead-letter topic."""
+        return self.event_log.assigned_consumer(topics=topics, partitions=partitions, start_offsets=start_offsets,
+                                                from_end=from_end, expect=expect, dead_letters=self.producer,
+                                                dlq_topic=self.names.dlq, client_id=f"{role}-{self.instance}")
+
+    def require_control(self) -> ControlStore:
+        """The control store; TransportError if the runtime was built without one."""
+        if self.control is None:
+            raise TransportError("this role needs the control store but the runtime was built without it")
+        return self.control
+
     def require_nats(self) -> ControlStore:
-        """The control store (NATS in production); raises if the runtime was built without one."""
-        if self.nats is None:
-            raise TransportError("this role needs NATS (the control store) but the runtime was built without it")
-        return self.nats
+        """``require_control`` under its old name."""
+        return self.require_control()
 
 
 class Released(Exception):
@@ -116,7 +143,7 @@ class Released(Exception):
 
 
 class StreamActor(Actor):
-    """Base of the roles that consume Kafka topics. Subclasses set ``topics``/``expect`` and ``handle``."""
+    """Base of the roles that consume event-log topics. Subclasses set ``topics``/``expect`` and ``handle``."""
 
     topics: ClassVar[list[str]] = []
     expect: ClassVar[tuple[str, ...]] = ()

@@ -73,6 +73,14 @@ class KafkaConfig(Section):
     """PEM private key (unencrypted) of `ssl_certfile`, when not in that file."""
 
 
+class TransportConfig(Section):
+    """Which transport carries the event log and the control store (streams/transports.py)."""
+
+    type: str = Field("kafka", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    """A registered transport: `kafka` (Kafka event log, NATS control store; sections kafka and nats) or
+    `memory` (both in this process, for one-process deployments and tests); plugins may add others."""
+
+
 class NatsConfig(Section):
     url: str = "nats://127.0.0.1:4222"
     """NATS server URL(s), comma separated."""
@@ -604,6 +612,7 @@ class EngineConfig(Section):
     roles: list[Literal["scheduler", "inference", "sandbox", "reward", "learner"]] = Field(
         default_factory=lambda: list(ROLES))
     """Roles this process runs (the CLI's --role overrides)."""
+    transport: TransportConfig = Field(default_factory=TransportConfig)
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     nats: NatsConfig = Field(default_factory=NatsConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -69,13 +69,12 @@ def failure_line(exc: BaseException) -> str:
     from modelserver.launch import LocalServerError
     from engine.actor import SupervisorGaveUp
     from ops.deployment import StartupError
-    from streams.kafka import StreamError
-    from streams.nats import NatsError
+    from streams.protocols import TransportError  # every transport's errors (Kafka's, NATS's) subclass it
 
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     text = " ".join(str(exc).split())
-    if isinstance(exc, (StreamError, NatsError, LocalServerError, StartupError, SupervisorGaveUp, ConfigError)):
+    if isinstance(exc, (TransportError, LocalServerError, StartupError, SupervisorGaveUp, ConfigError)):
         return text or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -402,12 +402,15 @@ class Consumer:
         c.assign(tps)
         self.assigned = set(self.assignment or [])
         if self.start_offsets is not None:
-            for tp in tps:  # an explicit start: the caller's offsets, else the beginning of the log
+            for tp in tps:  # an explicit start: the caller's offsets, else the end (from_end) or the beginning
                 offset = self.start_offsets.get((tp.topic, tp.partition))
-                if offset is None:
-                    c.seek_to_beginning(tp)
-                else:
+                if offset is not None:
                     c.seek(tp, offset)
+                elif self._from_end:
+                    c.seek_to_end(tp)
+                    c.position(tp)
+                else:
+                    c.seek_to_beginning(tp)
         elif self._from_end:
             c.seek_to_end(*tps)
             for tp in tps:  # resolve the position now so records produced after start() are seen
@@ -464,6 +467,24 @@ class Consumer:
             if self._consumer is None:
                 return {}
             return await anyio.to_thread.run_sync(self._commit_sync)
+
+    async def seek(self, topic: str, partition: int, offset: int) -> None:
+        """Read ``partition`` of ``topic`` from ``offset`` on; its records handed out and not acknowledged are
+        forgotten (their acks no longer move a committable offset). Manual assignments only."""
+        key = (topic, partition)
+        async with self._lock:
+            if self._consumer is None:
+                raise StreamError("consumer is closed or not started")
+            if self.topics is not None or key not in self.assigned:
+                raise StreamError(f"cannot seek {topic}[{partition}]: not a partition of this consumer's "
+                                  f"manual assignment {sorted(self.assigned)}")
+            if offset < 0:
+                raise StreamError(f"cannot seek {topic}[{partition}] to offset {offset}: offsets are >= 0")
+            consumer = self._consumer
+            await anyio.to_thread.run_sync(lambda: consumer.seek(TopicPartition(topic, partition), offset))
+            with self._tracker_lock:
+                self._tracker.revoke([key])
+            self._buffer = collections.deque(r for r in self._buffer if (r.topic, r.partition) != key)
 
     async def dead_letter_raw(self, topic: str, partition: int, offset: int, key: str | None, value: bytes,
                               reason: str, error: str, envelope: Envelope | None = None) -> None:

@@ -8,7 +8,11 @@ broker; the integration suite keeps testing Kafka and NATS themselves.
 Simplifications, on purpose: one process, no replication; a consumer group has one member, which
 owns every partition of its topics (no rebalancing); acknowledgements are immediate. Offsets and
 committed positions behave as Kafka's (the committed offset is the next record to read), so a consumer
-started again in the same group resumes after what was committed.
+started again in the same group resumes after what was committed. Assigned consumers (no group) start
+each partition where the caller says, as Kafka's manual assignment does.
+
+The config's ``transport.type = "memory"`` makes a process use these (``streams/transports.py``): every role
+of a one-process deployment then talks through them, with nothing to install.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
+import logging
 import time
 import zlib
 from collections.abc import AsyncGenerator
@@ -30,6 +35,8 @@ from engine.schemas import DeadLetter, Message
 from streams.codec import DecodeError, Envelope, decode, encode
 from streams.offsets import OffsetTracker
 from streams.protocols import EventProducer, TransportError
+
+logger = logging.getLogger("rollout.streams.memory")
 
 HEADER_MESSAGE_ID = "message_id"
 HEADER_TRACEPARENT = "traceparent"
@@ -78,6 +85,18 @@ class MemoryEventLog:
                  dlq_topic: str, client_id: str = "", **_ignored: Any) -> "MemoryConsumer":
         return MemoryConsumer(self, topics=topics, group=group, expect=expect, dead_letters=dead_letters,
                               dlq_topic=dlq_topic)
+
+    def assigned_consumer(self, *, topics: list[str] | None = None, partitions: list[tuple[str, int]] | None = None,
+                          start_offsets: dict[tuple[str, int], int] | None = None, from_end: bool = False,
+                          expect: tuple[str, ...], dead_letters: EventProducer | None = None,
+                          dlq_topic: str | None = None, client_id: str = "") -> "MemoryConsumer":
+        if (topics is None) == (partitions is None):
+            raise ValueError("give exactly one of topics (every partition of these topics) or partitions")
+        if dead_letters is not None and dlq_topic is None:
+            raise ValueError("dead_letters needs dlq_topic")
+        return MemoryConsumer(self, topics=topics, partitions=partitions, group=None, expect=expect,
+                              dead_letters=dead_letters, dlq_topic=dlq_topic, start_offsets=start_offsets,
+                              from_end=from_end)
 
     def append(self, topic: str, record: StoredRecord, *, partition: int | None = None) -> Acked:
         """Append to a partition (the given one, else by key hash, else round robin); wakes consumers."""
@@ -200,31 +219,65 @@ class MemoryRecord:
 
 
 class MemoryConsumer:
-    """The only member of ``group``: reads every partition of ``topics`` from the group's committed offset."""
+    """The only member of ``group`` (reads every partition of ``topics`` from the group's committed offset), or,
+    with no group, a consumer of ``topics``' partitions or of exactly ``partitions`` from ``start_offsets``."""
 
-    def __init__(self, log: MemoryEventLog, *, topics: list[str], group: str, expect: tuple[str, ...],
-                 dead_letters: EventProducer, dlq_topic: str) -> None:
+    def __init__(self, log: MemoryEventLog, *, topics: list[str] | None = None,
+                 partitions: list[tuple[str, int]] | None = None, group: str | None, expect: tuple[str, ...],
+                 dead_letters: EventProducer | None, dlq_topic: str | None,
+                 start_offsets: dict[tuple[str, int], int] | None = None, from_end: bool = False) -> None:
+        if group is not None and (partitions is not None or start_offsets is not None or topics is None):
+            raise ValueError("a group member subscribes to topics; partitions and start_offsets need no group")
         self.log = log
         self.topics = topics
+        self.partitions = partitions
         self.group = group
         self.expect = expect
+        self.start_offsets = dict(start_offsets or {})
+        self.from_end = from_end
         self._dlq = dead_letters
         self._dlq_topic = dlq_topic
         self._tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
         self._positions: dict[tuple[str, int], int] = {}
+        self.assigned: set[tuple[str, int]] = set()
         self._started = False
         self.delivered = 0
         self.dead_lettered = 0
         self.commits = 0
 
     async def start(self) -> "MemoryConsumer":
-        for topic in self.topics:
+        for topic in self.topics or sorted({t for t, _ in self.partitions or []}):
             if topic not in self.log.topics:
                 raise TransportError(f"topic {topic} does not exist (not created?)")
-            for p in range(len(self.log.topics[topic])):
-                self._positions[(topic, p)] = self.log.committed.get((self.group, topic, p), 0)
+        keys = self.partitions if self.partitions is not None else [
+            (t, p) for t in self.topics or [] for p in range(len(self.log.topics[t]))]
+        for topic, p in keys:
+            if not 0 <= p < len(self.log.topics[topic]):
+                raise TransportError(f"topic {topic} has {len(self.log.topics[topic])} partitions, no partition {p}")
+            self._positions[(topic, p)] = self._start_at(topic, p)
+        self.assigned = set(self._positions)
         self._started = True
         return self
+
+    def _start_at(self, topic: str, p: int) -> int:
+        if self.group is not None:
+            return self.log.committed.get((self.group, topic, p), 0)
+        if (topic, p) in self.start_offsets:
+            return max(0, self.start_offsets[(topic, p)])
+        return len(self.log.topics[topic][p]) if self.from_end else 0
+
+    async def seek(self, topic: str, partition: int, offset: int) -> None:
+        """Read ``partition`` of ``topic`` from ``offset`` on; its records not acknowledged are forgotten."""
+        key = (topic, partition)
+        if not self._started:
+            raise TransportError("consumer is closed or not started")
+        if self.group is not None or key not in self._positions:
+            raise TransportError(f"cannot seek {topic}[{partition}]: not a partition of this consumer's "
+                                 f"manual assignment {sorted(self.assigned)}")
+        if offset < 0:
+            raise TransportError(f"cannot seek {topic}[{partition}] to offset {offset}: offsets are >= 0")
+        self._tracker.revoke([key])
+        self._positions[key] = offset
 
     async def getmany(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[MemoryRecord]:
         """Decoded records from the positions on; poison ones are dead-lettered here, never returned."""
@@ -256,7 +309,9 @@ class MemoryConsumer:
         return any(pos < len(self.log.topics[t][p]) for (t, p), pos in self._positions.items())
 
     async def commit(self) -> dict[tuple[str, int], int]:
-        """Commit the offsets of acknowledged records (never past an unacknowledged one)."""
+        """Commit the offsets of acknowledged records (never past an unacknowledged one); without a group, nothing."""
+        if self.group is None:
+            return {}
         offsets = self._tracker.committable()
         for (topic, p), offset in offsets.items():
             self.log.committed[(self.group, topic, p)] = offset
@@ -267,9 +322,13 @@ class MemoryConsumer:
 
     async def _dead_letter(self, topic: str, partition: int, offset: int, key: str | None, value: bytes,
                            reason: str, error: str) -> None:
+        if self._dlq is None or self._dlq_topic is None:
+            logger.error("dropping poison record %s[%d]@%d (%s: %s): no dead-letter producer configured",
+                         topic, partition, offset, reason, error)
+            return
         keep = max(0, self.log.max_record_bytes - 64 * 1024)
         letter = DeadLetter(topic=topic, partition=partition, offset=offset, reason=reason, error=error[:4000],
-                            value=bytes(value[:keep]), consumer_group=self.group)
+                            value=bytes(value[:keep]), consumer_group=self.group or "")
         await self._dlq.send(self._dlq_topic, letter, key=key)
         self.dead_lettered += 1
 

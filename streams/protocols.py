@@ -5,7 +5,10 @@ Actors talk to two kinds of infrastructure, and only through these shapes:
 - an **event log** (:class:`EventLog`): named, partitioned topics; a producer whose sends are acknowledged
   asynchronously (:class:`EventProducer`); group consumers that hand out decoded records
   (:class:`EventRecord`), commit only what was acknowledged and send poison records to the dead-letter
-  topic (:class:`EventConsumer`). Kafka implements it in production (``streams/kafka.py`` through
+  topic (:class:`EventConsumer`); and consumers of a fixed set of partitions with no group, each partition
+  read from a start offset the caller chose (:class:`AssignedConsumer`: the learner resumes from its
+  checkpoint's offsets, the exporter from its position file, the inference actor reads its reply
+  partition from the end). Kafka implements it in production (``streams/kafka.py`` through
   :class:`streams.transports.KafkaEventLog`).
 - a **control store** (:class:`ControlStore`): a key-value bucket with watches (learner version,
   scheduler and reward statistics, the weights manifest) and an object store for weight files
@@ -13,11 +16,14 @@ Actors talk to two kinds of infrastructure, and only through these shapes:
   (``streams/nats.py``).
 
 ``streams/memory.py`` implements both in one process, so the actor logic (consume, handle, emit, commit,
-dead-letter) can be exercised without a broker. Protocols are ``runtime_checkable`` so a test can check
+dead-letter), and the whole pipeline, can be exercised without a broker. Which implementation a process
+uses is the config's ``transport.type`` (``streams/transports.py`` holds the registry). Protocols are ``runtime_checkable`` so a test can check
 that each implementation has the whole surface (``isinstance`` checks names, not signatures).
 
 Failures of either transport are :class:`TransportError`: an actor treats them as "the infrastructure
-failed" (crash, restart, re-delivery), never as "this record is bad" (dead letter).
+failed" (crash, restart, re-delivery), never as "this record is bad" (dead letter). A transport raises
+its own subclass (Kafka's ``StreamError``, ``NatsError``) or this class itself; roles name only this one,
+and so do other failures of infrastructure a role depends on (a sandbox pool that cannot start).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class EventRecord(Protocol):
     offset: int
     key: str | None
     headers: dict[str, bytes]
+    timestamp_ms: int
 
     @property
     def message(self) -> Message: ...
@@ -98,6 +105,26 @@ class EventConsumer(Protocol):
 
 
 @runtime_checkable
+class AssignedConsumer(EventConsumer, Protocol):
+    """A consumer of a fixed set of partitions, outside any consumer group.
+
+    Each partition starts at the offset the caller gave (``start_offsets``), else at the end of the log
+    (``from_end``), else at its beginning; ``seek`` moves one partition later. ``commit`` commits nothing
+    (there is no group to commit to): whoever needs to resume keeps the offsets itself (the learner in its
+    checkpoint, the exporter in its position file). Records are still acknowledged, poison ones still
+    dead-lettered when a dead-letter producer is given (else logged and skipped).
+    """
+
+    assigned: set[tuple[str, int]]
+    """The ``(topic, partition)`` pairs read (known once ``start`` returned)."""
+
+    async def seek(self, topic: str, partition: int, offset: int) -> None:
+        """Read ``partition`` of ``topic`` from ``offset`` on (the next ``getmany``); records of it handed out
+        earlier and not acknowledged are forgotten. TransportError for a partition not assigned."""
+        ...
+
+
+@runtime_checkable
 class EventLog(Protocol):
     """Makes topics, producers and consumers of one event log (one broker or cluster)."""
 
@@ -107,6 +134,14 @@ class EventLog(Protocol):
 
     def consumer(self, *, topics: list[str], group: str, expect: tuple[str, ...], dead_letters: EventProducer,
                  dlq_topic: str, client_id: str, **kw: Any) -> EventConsumer: ...
+
+    def assigned_consumer(self, *, topics: list[str] | None = None, partitions: list[tuple[str, int]] | None = None,
+                          start_offsets: dict[tuple[str, int], int] | None = None, from_end: bool = False,
+                          expect: tuple[str, ...], dead_letters: EventProducer | None = None,
+                          dlq_topic: str | None = None, client_id: str = "rollout") -> AssignedConsumer:
+        """A consumer of every partition of ``topics`` (as the log has them when it starts) or of exactly
+        ``partitions``: give one of the two. See :class:`AssignedConsumer` for where each partition starts."""
+        ...
 
     async def read_since(self, topic: str, start_offsets: dict[int, int], *,
                          expect: tuple[str, ...]) -> list[tuple[int, int, Message]]:
@@ -144,4 +179,4 @@ class ControlStore(Protocol):
     async def delete_object(self, bucket: str, name: str) -> None: ...
 
 
-__all__ = ["ControlStore", "EventConsumer", "EventLog", "EventProducer", "EventRecord", "TransportError"]
+__all__ = ["AssignedConsumer", "ControlStore", "EventConsumer", "EventLog", "EventProducer", "EventRecord", "TransportError"]

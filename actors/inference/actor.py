@@ -41,8 +41,7 @@ from modelserver.llm import has_chat_template, render_observation, render_prompt
 from modelserver.client import GenerateResult, SGLangClient, SGLangError
 from actors.runtime import INFRA_ERRORS, Released, Runtime, StreamActor
 from engine.schemas import EPISODES_FULL, SANDBOX_ERROR, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
-from streams.kafka import Consumer
-from streams.protocols import EventRecord
+from streams.protocols import AssignedConsumer, EventRecord
 from streams.weights import WeightSubscriber
 
 log = logging.getLogger("rollout.inference")
@@ -187,7 +186,7 @@ class InferenceActor(StreamActor):
         self.concurrency = max(1, cfg.concurrency // max(1, rt.cfg.scheduler.group_size))
         self.stream_interval = cfg.stream_interval
         self.client: SGLangClient | None = None
-        self.results: Consumer | None = None
+        self.results: AssignedConsumer | None = None
         # by (episode_id, attempt, step): a reply to another attempt of a regenerated episode never matches
         self._replies: dict[tuple[str, str, int], SandboxResult] = {}
         self._reply_events: dict[tuple[str, str, int], anyio.Event] = {}
@@ -208,9 +207,9 @@ class InferenceActor(StreamActor):
         cfg = self.rt.cfg.inference
         self.client = SGLangClient(self.urls, timeout=cfg.request_timeout_s, api_key=cfg.resolved_api_key())
         self.weight_version = _version_int(await self.client.get_weight_version(), 0)
-        self.results = await Consumer(
-            self.rt.cfg.kafka, assign=[(self.rt.names.sandbox_results, self.reply_partition)],
-            expect=("sandbox_result",), from_end=True, client_id=f"inference-results-{self.rt.instance}").start()
+        self.results = await self.rt.assigned_consumer(
+            "inference-results", partitions=[(self.rt.names.sandbox_results, self.reply_partition)],
+            expect=(SandboxResult.SCHEMA,), from_end=True).start()
         await super().setup()
 
     async def teardown(self) -> None:
@@ -225,7 +224,7 @@ class InferenceActor(StreamActor):
     async def serve(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._dispatch_results)
-            if self.rt.nats is not None:
+            if self.rt.control is not None:
                 tg.start_soon(self._watch_weights)
             await super().serve()
             tg.cancel_scope.cancel()
@@ -233,7 +232,7 @@ class InferenceActor(StreamActor):
     # -- weights -----------------------------------------------------------------------------------
     async def _watch_weights(self) -> None:
         assert self.client is not None
-        sub = WeightSubscriber(self.rt.require_nats(), self.rt.names, self._weights_dir,
+        sub = WeightSubscriber(self.rt.require_control(), self.rt.names, self._weights_dir,
                                timeout_s=self.rt.cfg.inference.weight_sync_timeout_s)
         async for manifest in sub.manifests():
             if manifest.version <= self.weight_version:
@@ -318,7 +317,7 @@ class InferenceActor(StreamActor):
         """
         every = self.rt.cfg.learner.publish_every
         wanted = task.admitted_version - task.admitted_version % every
-        if self.rt.nats is None or self.weight_version >= wanted:
+        if self.rt.control is None or self.weight_version >= wanted:
             return
         with anyio.move_on_after(self.rt.cfg.inference.weight_sync_timeout_s):
             async with anyio.create_task_group() as tg:

@@ -14,8 +14,8 @@ Invariants:
   an ``error`` field and zero counts; absurd spec limits are clamped to the configured maxima
   (:func:`clamp_spec`).
 - An infrastructure failure of the sandboxes themselves (``SandboxError``) is re-raised as a
-  ``StreamError``, so the actor crashes, the supervisor restarts it and the record is re-delivered
-  instead of being scored zero.
+  ``TransportError`` (``streams.protocols``: what roles treat as "the infrastructure failed"), so the
+  actor crashes, the supervisor restarts it and the record is re-delivered instead of being scored zero.
 - Episodes live in the memory of the process that opened them. A step for an episode this process
   does not hold (the partition moved, the process restarted, the episode idled out) is answered with
   ``error="episode_unknown"``. Requests of one episode are handled one at a time, in arrival order,

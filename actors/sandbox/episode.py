@@ -19,8 +19,7 @@ from actors.sandbox.resources import SandboxResources, _SandboxActorBase
 from actors.sandbox.settings import clamp_spec
 from engine.schemas import EPISODES_FULL, SandboxRequest, SandboxResult
 from sandboxes import SandboxError
-from streams.kafka import StreamError
-from streams.protocols import EventRecord
+from streams.protocols import EventRecord, TransportError
 
 log = logging.getLogger("rollout.actors.sandbox")
 
@@ -133,7 +132,7 @@ class EpisodeActor(_SandboxActorBase):
                 return await self._step(req, live)
             return await self._close(req, live)
         except SandboxError as exc:
-            raise StreamError(f"sandbox failure in episode {req.episode_id}: {exc}") from exc
+            raise TransportError(f"sandbox failure in episode {req.episode_id}: {exc}") from exc
 
     async def _open(self, req: SandboxRequest) -> SandboxResult:
         ok = SandboxResult(episode_id=req.episode_id, step=req.step, observation="")

@@ -12,7 +12,7 @@ from actors.runtime import Runtime, StreamActor
 from actors.sandbox.settings import SandboxSettings
 from engine.config import SandboxConfig
 from sandboxes import Limits, SandboxError, SandboxPool
-from streams.kafka import StreamError
+from streams.protocols import TransportError
 
 
 class SandboxResources:
@@ -55,7 +55,7 @@ class SandboxResources:
                     await pool.start()
                 except SandboxError as exc:
                     await pool.close()
-                    raise StreamError(f"cannot start the {self.cfg.backend} sandbox pool: {exc}") from exc
+                    raise TransportError(f"cannot start the {self.cfg.backend} sandbox pool: {exc}") from exc
                 self._pool = pool
             self._refs += 1
             return self._pool

@@ -16,8 +16,7 @@ from actors.sandbox.settings import clamp_spec
 from engine.schemas import SANDBOX_ERROR, Completion, Outcome
 from sandboxes import SandboxError
 from sandboxes.verifiers import VERIFIERS, Facts, Verifier
-from streams.kafka import StreamError
-from streams.protocols import EventRecord
+from streams.protocols import EventRecord, TransportError
 
 log = logging.getLogger("rollout.actors.sandbox")
 
@@ -102,7 +101,7 @@ class VerifyActor(_SandboxActorBase):
             if not isinstance(facts, dict):  # a domain's own verifier broke its contract
                 raise TypeError(f"verifier {kind!r} returned {type(facts).__name__}, not a dict of facts")
         except SandboxError as exc:
-            raise StreamError(f"sandbox failure verifying {completion.sample_id}: {exc}") from exc
+            raise TransportError(f"sandbox failure verifying {completion.sample_id}: {exc}") from exc
         except Exception as exc:  # hostile output or a malformed spec: a zero score, not a crash
             self.verifier_errors += 1
             error = f"{type(exc).__name__}: {exc}"

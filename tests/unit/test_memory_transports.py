@@ -15,9 +15,10 @@ from engine.topics import Names
 from streams.kafka import Consumer, Producer
 from streams.memory import MemoryEventLog, MemoryProducer, MemoryStore, StoredRecord
 from streams.nats import Nats
-from streams.protocols import ControlStore, EventConsumer, EventLog, EventProducer, EventRecord, TransportError
+from streams.protocols import AssignedConsumer, ControlStore, EventConsumer, EventLog, EventProducer, EventRecord, TransportError
 from streams.transports import KafkaEventLog
 from streams.weights import WeightPublisher, WeightSubscriber
+from tests.transport_conformance import CHECKS
 
 pytestmark = pytest.mark.anyio
 
@@ -27,6 +28,7 @@ def test_kafka_nats_and_memory_have_the_protocols_shape() -> None:
     assert isinstance(KafkaEventLog(kafka), EventLog)
     assert isinstance(Producer(kafka, producer_id="p"), EventProducer)
     assert isinstance(Consumer(kafka, topics=["t"], group="g"), EventConsumer)
+    assert isinstance(KafkaEventLog(kafka).assigned_consumer(topics=["t"], expect=("task",)), AssignedConsumer)
     assert isinstance(Nats(NatsConfig()), ControlStore)
     log = MemoryEventLog()
     assert isinstance(log, EventLog)
@@ -217,3 +219,19 @@ async def test_read_since_reads_from_offsets_to_the_end_skipping_the_unexpected(
     assert [(p, o, m.task_id) for p, o, m in got] == [(0, 1, "t2"), (1, 0, "t1"), (1, 1, "t3")]
     assert await log.read_since("t", {0: 9, 1: 2}, expect=(Task.SCHEMA,)) == []
     assert await log.read_since("t", {}, expect=("outcome",)) == []
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+async def test_the_memory_event_log_passes_the_transport_conformance_checks(check) -> None:  # type: ignore[no-untyped-def]
+    await check(MemoryEventLog(), "conformance")
+
+
+async def test_an_assigned_consumer_without_a_dead_letter_producer_skips_poison(caplog) -> None:  # type: ignore[no-untyped-def]
+    log = MemoryEventLog()
+    await log.ensure_topics({"in": 1})
+    log.append("in", StoredRecord(None, b"\xc1 not msgpack", {}, 0))
+    await log.producer(producer_id="p").send("in", Task(task_id="t", domain="arith", prompt="x", spec={}))
+    consumer = await log.assigned_consumer(topics=["in"], expect=("task",)).start()
+    (record,) = await consumer.getmany(timeout_s=0.1)
+    assert record.offset == 1 and consumer.statistics()["dead_lettered"] == 0
+    assert "dropping poison record in[0]@0" in caplog.text
