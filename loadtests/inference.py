@@ -10,11 +10,13 @@
     python -m loadtests.inference [--quick] [--json PATH]
 
 3. With ``--model-dir DIR`` (a real model, e.g. SmolLM2-135M-Instruct): 32 chat requests of 16-64 new
-   tokens through the engine against ``transformers`` ``generate`` on one left-padded batch of the same
-   requests, same model, same process: ``hf_generate_ratio`` (generate's seconds over the engine's, for the
-   same useful tokens).
+   tokens (``--quick`` too) through the engine against ``transformers`` ``generate`` on one left-padded batch
+   of the same requests, same model, same process, same sampling (T=1, no truncation), like for like: fp32
+   on both sides, then bf16 on both sides; repeats interleave the two sides. ``hf_generate_ratio``
+   (generate's median seconds over the engine's, for the same useful tokens, fp32/fp32) and
+   ``hf_generate_ratio_bf16``.
 
-Headline keys: hf_generate_ratio, tokens_per_s_c1, tokens_per_s_c8, tokens_per_s_c32, concurrency_speedup_c32,
+Headline keys: hf_generate_ratio, hf_generate_ratio_bf16, tokens_per_s_c1, tokens_per_s_c8, tokens_per_s_c32, concurrency_speedup_c32,
 prefill_peak_mb_chunked_<n>, prefill_peak_mb_full_<n> (null when the full pass exceeded the limit).
 """
 
@@ -148,41 +150,68 @@ def _hf_generate_real(model, tok, requests: list[tuple[list[int], int]]) -> floa
     ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in requests])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in requests])
     longest = max(n for _, n in requests)
-    model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=True, pad_token_id=pad)
-    start = time.perf_counter()
-    with torch.no_grad():
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=True, pad_token_id=pad)
+        start = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                        do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad)
     return time.perf_counter() - start
 
 
-def real_model(model_dir: Path, n: int, threads: int, dtype: str = "fp32") -> dict[str, object]:
-    """The local engine (serving ``dtype``) against fp32 ``transformers`` ``generate`` on the same requests.
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
-    A bf16 engine serves a copy of the model; the baseline always runs the fp32 original.
+
+def real_model(model_dir: Path, n: int, threads: int, repeats: int = 2) -> dict[str, object]:
+    """The local engine against ``transformers`` ``generate`` on the same requests, like for like: fp32 on
+    both sides, then bf16 on both sides (a second row).
+
+    The repeats interleave the two sides (engine first in even repeats, generate first in odd ones) so a
+    load change on a shared machine hits both; the ratio is of the two sides' median seconds. Headline keys:
+    ``hf_generate_ratio`` (fp32 / fp32) and ``hf_generate_ratio_bf16`` (bf16 / bf16).
     """
+    import copy
+    import os
+
     import torch
 
     from modelserver.llm import load_model_dir
 
     torch.set_num_threads(threads)
     model, tok = load_model_dir(model_dir)
+    models = {"fp32": model, "bf16": torch.nn.Module.to(copy.deepcopy(model), torch.bfloat16)}
     requests = _real_requests(tok, n)
     useful = sum(k for _, k in requests)
-    # the engine runs first (as before bf16 existed: a cold first generate call in a fresh process ran ~8x
-    # slower here); a bf16 engine casts in place, so it serves a copy and generate keeps the fp32 model
-    import copy
-
-    engine_s = asyncio.run(_engine_real(model if dtype == "fp32" else copy.deepcopy(model), tok, requests, dtype))
-    hf_s = _hf_generate_real(model, tok, requests)
-    figures: dict[str, Any] = {"real_engine_dtype": dtype, "real_hf_generate_dtype": "fp32", "real_requests": n, "real_useful_tokens": useful, "real_engine_s": round(engine_s, 2),
-               "real_hf_generate_s": round(hf_s, 2), "real_engine_tokens_per_s": round(useful / engine_s, 1),
-               "real_hf_generate_tokens_per_s": round(useful / hf_s, 1),
-               "hf_generate_ratio": round(hf_s / engine_s, 2)}
-    print(f"{'real model':<22} {'seconds':>8} {'tokens/s':>9}   ({n} chat requests, {useful} new tokens, 16..64 each)")
-    print(f"{'local engine (' + dtype + ')':<22} {engine_s:>8.1f} {useful / engine_s:>9.1f}")
-    print(f"{'transformers generate':<22} {hf_s:>8.1f} {useful / hf_s:>9.1f}")
-    print(f"hf_generate_ratio: {figures['hf_generate_ratio']}x\n")
+    figures: dict[str, Any] = {"real_requests": n, "real_useful_tokens": useful, "real_threads": threads,
+                               "real_repeats": repeats}
+    loads: list[float] = []
+    print(f"{'real model':<10} {'engine s':>9} {'generate s':>11} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>6}"
+          f"   ({n} chat requests, {useful} new tokens, 16..64 each, {threads} threads, {repeats} repeats)")
+    for dtype, served in models.items():
+        engine_runs: list[float] = []
+        hf_runs: list[float] = []
+        for rep in range(repeats):
+            loads.append(os.getloadavg()[0])
+            # the engine casts in place to its serving dtype: here the model is in that dtype already
+            sides = [lambda: engine_runs.append(asyncio.run(_engine_real(served, tok, requests, dtype))),
+                     lambda: hf_runs.append(_hf_generate_real(served, tok, requests))]
+            for side in sides if rep % 2 == 0 else sides[::-1]:
+                side()
+        engine_s, hf_s = _median(engine_runs), _median(hf_runs)
+        ratio = round(hf_s / engine_s, 2)
+        suffix = "" if dtype == "fp32" else "_bf16"
+        figures.update({f"real_engine_s{suffix}": round(engine_s, 2), f"real_hf_generate_s{suffix}": round(hf_s, 2),
+                        f"real_engine_tokens_per_s{suffix}": round(useful / engine_s, 1),
+                        f"real_hf_generate_tokens_per_s{suffix}": round(useful / hf_s, 1),
+                        f"hf_generate_ratio{suffix}": ratio,
+                        f"hf_generate_ratios{suffix}": [round(h / e, 2) for e, h in zip(engine_runs, hf_runs)]})
+        print(f"{dtype + '/' + dtype:<10} {engine_s:>9.1f} {hf_s:>11.1f} {useful / engine_s:>13.1f} {useful / hf_s:>15.1f} "
+              f"{ratio:>5.2f}x   (per repeat: {figures[f'hf_generate_ratios{suffix}']})")
+    figures["real_load_average"] = [round(x, 1) for x in loads]
+    print(f"hf_generate_ratio (fp32/fp32): {figures['hf_generate_ratio']}x   bf16/bf16: {figures['hf_generate_ratio_bf16']}x   "
+          f"(1-min load average at each repeat: {figures['real_load_average']})\n")
     return figures
 
 
@@ -205,7 +234,7 @@ def main() -> int:
     )
     parser.add_argument("--model-dir", type=Path, help="also measure this real model against transformers generate")
     parser.add_argument("--real-requests", type=int, default=32, help="chat requests of the real-model run (default 32)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="serving dtype of the real-model engine run")
+    parser.add_argument("--repeats", type=int, help="interleaved repeats of the real-model run (default 2; --quick: 1)")
     parser.add_argument("--real-threads", type=int, default=2, help="torch threads of the real-model run (default 2)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -242,7 +271,8 @@ def main() -> int:
 
         print(f"{n:>8} {fmt(chunked['peak_mb'], 11)} {fmt(chunked['seconds'], 10)} {fmt(full['peak_mb'], 9)} {fmt(full['seconds'], 8)}")
     if args.model_dir:
-        figures.update(real_model(args.model_dir, 8 if args.quick else args.real_requests, args.real_threads, args.dtype))
+        repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
+        figures.update(real_model(args.model_dir, args.real_requests, args.real_threads, repeats))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
     return 0
