@@ -19,7 +19,20 @@ learner read every experience record), drains the learner (final checkpoint) and
     .venv/bin/python -m loadtests.chaos --kills 24 --duration 240 --tasks 80
 
 Headline keys: ``kills``, ``tasks_admitted``, ``samples_lost``, ``samples_trained_twice`` (targets: 0 lost,
-0 trained twice).
+0 trained twice), and, read from the topics after the run (:func:`frontier_figures`):
+
+- ``prompts_skipped``: tasks the scheduler counted as admitted (its KV status, which a restarted scheduler
+  resumes from) that never reached ``rollout.tasks``, plus tasks on it of which no sample was ever generated;
+- ``prompts_duplicated``: admissions of a prompt (domain, prompt, spec) beyond its first, under another task
+  id (a generator that draws the same small problem twice counts too: ``prompts_repeated_by_generator``
+  is not separable from a re-admission here, so the figure is an upper bound);
+- ``tokens_regenerated``: tokens generated again after a kill among those the broker had acknowledged
+  on ``rollout.tokens``: per sample, in offset order, each generation after the first (its chunks' ``seq``
+  start again at 0) counts the positions it repeats of what earlier generations had streamed;
+- ``recovery_s.<role>.p50`` / ``.p99``: SIGKILL to the restarted daemon's ready line, per role.
+
+``--kills N`` stretches the fault schedule to at least ``SECONDS_PER_KILL`` x N seconds unless
+``--duration`` is given (restarts on a small host take seconds each).
 """
 
 from __future__ import annotations
@@ -40,6 +53,9 @@ from typing import Any
 
 from loadtests._cluster import (ROLE_PROCS, RoleProc, Stack, experience_progress, kv_get_json, learner_read,
                                 pipeline_config, poll, write_toml)
+
+SECONDS_PER_KILL = 3.0
+"""The fault schedule's length per kill when ``--kills`` is given without ``--duration``."""
 
 # -- the run ---------------------------------------------------------------------------------------
 
@@ -70,6 +86,8 @@ class Chaos:
         self._lock = threading.Lock()
         self._stop_watch = threading.Event()
         self.unexpected_exits: dict[str, int] = {}
+        self.recovery_s: dict[str, list[float]] = {}  # role -> SIGKILL to the restarted daemon's ready line
+        self.not_recovered: dict[str, int] = {}
 
     def note(self, kind: str, **fields: Any) -> None:
         t = round(time.monotonic() - self.started, 1)
@@ -118,9 +136,22 @@ class Chaos:
                     return
                 name = self.rng.choice(live)
             p = self.procs[name]
+            killed_at = time.monotonic()
             p.kill()
             p.start()
         self.note("SIGKILL + restart", proc=name, pid=p.pid)
+        threading.Thread(target=self._time_recovery, args=(p, killed_at), daemon=True).start()
+
+    def _time_recovery(self, p: RoleProc, killed_at: float) -> None:
+        """Seconds from the SIGKILL to the role's next ready line, whichever life prints it (one started while
+        the broker is down exits and is restarted by the watchdog: that is part of recovering)."""
+        while time.monotonic() - killed_at < 300.0 and not self._stop_watch.is_set():
+            if p.ready.wait(0.2):  # p.ready: the current life's event (each start makes a new one)
+                with self._lock:
+                    self.recovery_s.setdefault(p.role, []).append(time.monotonic() - killed_at)
+                return
+        with self._lock:
+            self.not_recovered[p.role] = self.not_recovered.get(p.role, 0) + 1
 
     def fail_host(self, name: str) -> None:
         with self._lock:
@@ -254,6 +285,58 @@ class Chaos:
         return rcs
 
 
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+def regenerated_tokens(chunks: list[tuple[int, int, int]]) -> int:
+    """Of one sample's token chunks on the topic, ``(offset, seq, tokens)``: how many token positions a later
+    generation produced again that an earlier one had already streamed (a generation starts at ``seq`` 0)."""
+    regenerated = streamed = current = 0  # streamed: the longest prefix earlier generations had on the topic
+    for _, seq, n in sorted(chunks):
+        if seq == 0 and current:  # a new generation of the sample (its group generated again)
+            streamed = max(streamed, current)
+            current = 0
+        regenerated += max(0, min(current + n, streamed) - current)
+        current += n
+    return regenerated
+
+
+def frontier_figures(cfg: Any, scheduler_admitted: int) -> dict[str, int]:
+    """``prompts_skipped``, ``prompts_duplicated`` and ``tokens_regenerated`` from the topics (see the module
+    docstring); records re-sent with the same message id are counted once."""
+    from engine.schemas import Task, TokenChunk
+    from engine.topics import Names
+    from ops.ledger import TopicRecord, read_topic
+
+    names = Names(cfg.namespace)
+    tasks: dict[str, tuple[str, str, str]] = {}
+    for rec in read_topic(cfg, names.tasks):
+        if isinstance(rec, TopicRecord) and isinstance(rec.message, Task):
+            t = rec.message
+            tasks[t.task_id] = (t.domain, t.prompt, json.dumps(t.spec, sort_keys=True, default=str))
+    chunks: dict[str, list[tuple[int, int, int]]] = {}  # sample -> (partition, offset, ...) in order
+    seen_ids: set[str] = set()
+    generated_tasks: set[str] = set()
+    for rec in read_topic(cfg, names.tokens):
+        if not isinstance(rec, TopicRecord) or not isinstance(rec.message, TokenChunk) or rec.message_id in seen_ids:
+            continue
+        seen_ids.add(rec.message_id)
+        c = rec.message
+        generated_tasks.add(c.task_id)
+        chunks.setdefault(c.sample_id, []).append((rec.offset, c.seq, len(c.token_ids)))
+    prompts = list(tasks.values())
+    return {
+        "prompts_skipped": max(0, scheduler_admitted - len(tasks)) + len(set(tasks) - generated_tasks),
+        "prompts_duplicated": len(prompts) - len(set(prompts)),
+        "tokens_regenerated": sum(regenerated_tokens(records) for records in chunks.values()),
+        "tokens_streamed": sum(n for records in chunks.values() for _, _, n in records),
+    }
+
+
 def run(plan: Plan, work: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole chaos run; returns the flat results (headline keys first) and the ledger table."""
     from ops.ledger import build_ledger
@@ -265,6 +348,7 @@ def run(plan: Plan, work: Path, *, log: Callable[[str], None] = print) -> dict[s
         finish = chaos.wait_finished()
         rcs = chaos.shutdown()
         report = build_ledger(chaos.cfg)
+        frontier = frontier_figures(chaos.cfg, int(finish.get("scheduler", {}).get("tasks_admitted", 0)))
     finally:
         chaos._stop_watch.set()
         for p in chaos.procs.values():
@@ -273,11 +357,21 @@ def run(plan: Plan, work: Path, *, log: Callable[[str], None] = print) -> dict[s
         chaos.stack.stop()
     summary = report.summary()
     kills = sum(p.kills for p in chaos.procs.values())
+    seconds = round(time.monotonic() - chaos.started, 1)
     results = {
         "kills": kills,
         "tasks_admitted": summary["tasks_admitted"],
         "samples_lost": summary["samples_lost"],
         "samples_trained_twice": summary["samples_trained_twice"],
+        "trained_twice": summary["samples_trained_twice"],
+        **frontier,
+        "recovery_s": {role: {"p50": _percentile(chaos.recovery_s.get(role, []), 0.5),
+                              "p99": _percentile(chaos.recovery_s.get(role, []), 0.99),
+                              "n": len(chaos.recovery_s.get(role, []))}
+                       for role in sorted({p.role for p in chaos.procs.values()})},
+        "not_recovered": chaos.not_recovered,
+        "fault_schedule_s": plan.duration_s,
+        "seconds_per_kill": round(seconds / kills, 1) if kills else None,
         "samples_expected": summary["samples_expected"],
         "checkpoint_agrees": summary["checkpoint_agrees"],
         "kills_by_proc": {p.name: p.kills for p in chaos.procs.values()},
@@ -287,7 +381,7 @@ def run(plan: Plan, work: Path, *, log: Callable[[str], None] = print) -> dict[s
         "host_down_s": plan.host_down_s,
         "drain_exit_codes": rcs,
         "finish": finish,
-        "seconds": round(time.monotonic() - chaos.started, 1),
+        "seconds": seconds,
         **{f"ledger_{k}": v for k, v in summary.items() if k not in ("fates",)},
         "fates": summary["fates"],
         "events": chaos.events,
@@ -321,6 +415,11 @@ def print_results(results: dict[str, Any]) -> None:
     print(f"{'tasks admitted':<28}{results['tasks_admitted']:>8}")
     print(f"{'samples lost':<28}{results['samples_lost']:>8}")
     print(f"{'samples trained twice':<28}{results['samples_trained_twice']:>8}")
+    for key in ("prompts_skipped", "prompts_duplicated", "tokens_regenerated", "tokens_streamed"):
+        print(f"{key.replace('_', ' '):<28}{results[key]:>8}")
+    for role, r in results["recovery_s"].items():
+        print(f"{'recovery s ' + role:<28}{'p50 ' + str(r['p50']):>12}{'p99 ' + str(r['p99']):>12}   n={r['n']}")
+    print(f"{'seconds per kill':<28}{str(results['seconds_per_kill']):>8}")
     print(f"{'seconds':<28}{results['seconds']:>8}")
 
 
@@ -341,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, tasks=20, kills=6, duration_s=60.0, host_down_s=15.0)
     if args.kills is not None:
         plan.kills = args.kills
+        if args.kills < 0:
+            parser.error(f"--kills must be >= 0, got {args.kills}")
+        plan.duration_s = max(plan.duration_s, SECONDS_PER_KILL * args.kills)
     if args.duration is not None:
         plan.duration_s = args.duration
     if args.tasks is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.chaos import Plan, run
+from loadtests.chaos import Plan, flatten, regenerated_tokens, run
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -32,3 +32,24 @@ def test_a_pipeline_under_kills_and_a_broker_restart_loses_nothing_and_trains_no
     # every admitted sample is accounted for by the learner (in its lineage or, at most, a last partial batch)
     assert results["ledger_pending_at_learner"] < 2 * 8, results["fates"]
     assert results["ledger_learner_steps"] >= 1
+    # the in-flight frontier's figures: their shape, not their values (tokens are regenerated today)
+    flat = flatten(results)
+    for key in ("prompts_skipped", "prompts_duplicated", "tokens_regenerated", "tokens_streamed", "samples_lost",
+                "trained_twice"):
+        assert isinstance(flat[key], int) and flat[key] >= 0, (key, flat[key])
+    assert flat["tokens_regenerated"] <= flat["tokens_streamed"]
+    roles = {"scheduler", "inference", "sandbox", "reward", "learner"}
+    assert set(results["recovery_s"]) == roles
+    for role in roles:
+        p50, p99 = flat[f"recovery_s.{role}.p50"], flat[f"recovery_s.{role}.p99"]
+        assert (p50 is None) == (p99 is None) == (flat[f"recovery_s.{role}.n"] == 0), role
+        assert p50 is None or 0 < p50 <= p99, (role, p50, p99)
+
+
+def test_regenerated_tokens_counts_the_positions_a_later_generation_repeats():
+    # (offset, seq, tokens): a generation of 3 chunks (10 tokens), killed; the next one makes 12
+    first, second = [(0, 0, 4), (1, 1, 4), (2, 2, 2)], [(5, 0, 4), (6, 1, 4), (7, 2, 4)]
+    assert regenerated_tokens(first) == 0
+    assert regenerated_tokens(first + second) == 10
+    assert regenerated_tokens(second + first) == 10  # the order is the offsets', not the list's
+    assert regenerated_tokens(first + second + [(9, 0, 3)]) == 13  # and a third one 3 of the 12 streamed
