@@ -56,10 +56,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
-from learning.core import Learner, StepReport, Verdict
+from learning import canary
+from learning.core import Learner, StepReport, Verdict, score_tokens
+from modelserver.client import SGLangClient, SGLangError
 from modelserver.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
+from engine.config import LearnerConfig
 from engine.schemas import Experience
 from engine.topics import Names
 from streams.protocols import AssignedConsumer
@@ -137,7 +140,7 @@ class LearnerActor(Actor):
     role: ClassVar[str] = "learner"
 
     def __init__(self, rt: Runtime, model_dir: str | None = None, *, name: str | None = None,
-                 on_step: StepHook | None = None) -> None:
+                 on_step: StepHook | None = None, probe_urls: list[str] | None = None) -> None:
         super().__init__(name)
         self.rt = rt
         self.cfg = rt.cfg.learner
@@ -159,6 +162,15 @@ class LearnerActor(Actor):
         self._life = uuid.uuid4().hex[:12]
         self._last_step_end = time.monotonic()
         self._made = time.monotonic()
+        # the weights canary (learning/canary.py): which servers, when due, what it found
+        self.probe_urls = list(probe_urls if probe_urls is not None else rt.cfg.inference.urls)
+        self._published_at: dict[int, float] = {}
+        self._canary_due = False
+        self._canary_next = 0.0
+        self.canary_checks = 0
+        self.canary_trips = 0
+        self.canary_gap: float | None = None
+        self.canary_tripped: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -196,6 +208,8 @@ class LearnerActor(Actor):
                 record.ack()
                 if learner.ready:
                     await self._step()
+            if self._canary_due and time.monotonic() >= self._canary_next:
+                await self._canary()
             if learner.never_trained != self._status_never_trained:
                 await self._put_status()  # admission control counts pending filtered samples too
         await self._checkpoint()
@@ -247,6 +261,11 @@ class LearnerActor(Actor):
                  self.name, "SIMULATED " if self.cfg.simulate else "", report.step, report.version, len(report.trained),
                  stale_trained, len(report.dropped_stale), len(report.filtered), report.duplicates,
                  f"{loss:.4f}" if isinstance(loss, (int, float)) else "none (no gradient step)")
+        m = report.metrics
+        if isinstance(m.get("mismatch_max"), float):  # train/serve mismatch, same-version tokens only
+            log.info("%s: step %d same-version mismatch |learner - server| p50 %.2e p99 %.2e max %.2e over %d tokens",
+                     self.name, report.step, m["mismatch_p50"], m["mismatch_p99"], m["mismatch_max"],
+                     int(m["mismatch_tokens"]))
         if self.on_step is not None:
             self.on_step(report)
 
@@ -331,6 +350,11 @@ class LearnerActor(Actor):
             files = await anyio.to_thread.run_sync(lambda: self._save_pretrained(tmp, tokenizer))
             await self.publisher.publish(learner.version, files, step=learner.step_count)
         self.published_version = learner.version
+        self._published_at[learner.version] = time.monotonic()
+        every = self.cfg.canary_every
+        # a simulated learner's tiny model is not the served one: nothing to compare
+        if every and self.probe_urls and self.cfg.simulate is None and learner.version % every == 0:
+            self._canary_due = True
 
     async def _checkpoint(self) -> None:
         assert self.learner is not None and self.tokenizer is not None
@@ -349,11 +373,14 @@ class LearnerActor(Actor):
     async def _put_status(self) -> None:
         assert self.learner is not None
         ledger = self.learner.ledger
-        status = {"version": self.learner.version, "step": self.learner.step_count, "consumed": ledger.consumed,
+        status: dict[str, Any] = {"version": self.learner.version, "step": self.learner.step_count, "consumed": ledger.consumed,
                   "trained": ledger.trained, "dropped_stale": ledger.dropped_stale, "filtered": ledger.filtered,
                   "never_trained": self.learner.never_trained}
         if self.cfg.simulate is not None:
             status["simulated"] = True
+        if self.canary_checks or self.canary_tripped:
+            status["canary"] = {"checks": self.canary_checks, "trips": self.canary_trips, "gap": self.canary_gap,
+                                "tripped": self.canary_tripped}
         self._status_never_trained = self.learner.never_trained
         await self.rt.require_control().kv_put(self.rt.kv_bucket, Names.LEARNER_VERSION_KEY, json.dumps(status).encode())
 
@@ -404,6 +431,38 @@ class LearnerActor(Actor):
             return SimulatedLearner(model, self.cfg, max_staleness=max_staleness, pad_id=pad)
         return Learner(model, self.cfg, max_staleness=max_staleness, pad_id=pad, reference=reference)
 
+    # -- the weights canary ---------------------------------------------------------------------------
+    async def _canary(self) -> None:
+        """Probe every server (between steps: the weights hold still); a trip is loud and, by config, fatal."""
+        assert self.learner is not None and self.tokenizer is not None
+        self._canary_next = time.monotonic() + 1.0  # a lagging server is probed again, once a second
+        verdicts = []
+        for url in self.probe_urls:
+            try:
+                verdicts.append(await probe_server(url, self.learner, self.tokenizer, self.cfg, self._published_at,
+                                                   api_key=self.rt.cfg.inference.resolved_api_key(),
+                                                   timeout_s=self.rt.cfg.inference.request_timeout_s,
+                                                   serving_dtype=self.rt.cfg.inference.dtype))
+            except (SGLangError, OSError) as exc:
+                log.warning("%s: canary could not probe %s: %s", self.name, url, exc)
+                return  # an unreachable server is the supervisor's business; probe again later
+        # done once every server was compared at the learner's version (or tripped); a lagging one is probed again
+        self._canary_due = any(v.ok and not v.compared for v in verdicts)
+        for v in verdicts:
+            self.canary_checks += 1
+            if v.gap is not None:
+                self.canary_gap = v.gap
+                self.last_metrics["canary_gap"] = v.gap
+            if v.ok:
+                log.debug("%s: canary: %s", self.name, v.reason)
+                continue
+            self.canary_trips += 1
+            self.canary_tripped = v.reason
+            log.error("%s: CANARY TRIPPED: %s", self.name, v.reason)
+            await self._put_status()
+            if self.cfg.canary_action == "stop":
+                raise CanaryTripped(v.reason)
+
     def _reached_max_steps(self) -> bool:
         return (self.cfg.max_steps is not None and self.learner is not None
                 and self.learner.step_count >= self.cfg.max_steps)
@@ -412,6 +471,10 @@ class LearnerActor(Actor):
         stats = super().statistics()
         if self.learner is not None:
             stats.update(self.learner.statistics())
+        stats.update(canary_checks=self.canary_checks, canary_trips=self.canary_trips, canary_gap=self.canary_gap,
+                     canary_tripped=self.canary_tripped,
+                     **{k: self.last_metrics[k] for k in ("mismatch_p50", "mismatch_p99", "mismatch_max")
+                        if k in self.last_metrics})
         stats.update(published_version=self.published_version, metrics=dict(self.last_metrics),
                      step_domains=dict(self.learner.last_domains) if self.learner is not None else {},
                      checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
@@ -419,3 +482,34 @@ class LearnerActor(Actor):
         if self.consumer is not None:
             stats["consumer"] = self.consumer.statistics()
         return stats
+
+
+class CanaryTripped(RuntimeError):
+    """The weights canary found a server not serving what it claims (``learner.canary_action = "stop"``)."""
+
+
+async def probe_server(url: str, learner: Learner, tokenizer: PreTrainedTokenizerBase, cfg: LearnerConfig,
+                       published_at: dict[int, float], *, api_key: str | None = None,
+                       timeout_s: float = 60.0, serving_dtype: str = "fp32") -> canary.Verdict:
+    """One canary probe of the server at ``url`` (``learning/canary.py``): a fixed prompt generated there at
+    temperature 1, its log-probs against the learner's own under the version the server claims."""
+    prompt = list(tokenizer.encode(canary.PROBE_TEXT, add_special_tokens=False))
+    client = SGLangClient([url], timeout=timeout_s, api_key=api_key)
+    try:
+        result = await client.generate(prompt, sampling_params={"max_new_tokens": canary.PROBE_TOKENS,
+                                                                "temperature": 1.0, "sampling_seed": 0},
+                                       rid=f"canary-{uuid.uuid4().hex[:8]}")
+    finally:
+        await client.aclose()
+    try:
+        claimed = int(result.weight_version or "")
+    except ValueError:
+        return canary.Verdict(False, f"server {url} reports no integer weight version ({result.weight_version!r})")
+    comparable = claimed == learner.version and learner.serves_own_version
+    ours = (await anyio.to_thread.run_sync(score_tokens, learner.model, prompt, list(result.output_ids), 1.0)
+            if comparable else None)
+    since = published_at.get(claimed + 1)
+    return canary.judge(url=url, claimed=claimed, learner_version=learner.version, comparable=comparable,
+                        server_logprobs=list(result.logprobs or []), learner_logprobs=ours,
+                        threshold=canary.effective_threshold(cfg.canary_threshold, serving_dtype), lag_s=None if since is None else time.monotonic() - since,
+                        max_lag_s=cfg.canary_max_lag_s)

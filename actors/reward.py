@@ -362,7 +362,8 @@ class RewardActor(StreamActor):
             prompt_ids=completion.prompt_ids, response_ids=completion.response_ids,
             logprobs=completion.logprobs, loss_mask=completion.loss_mask,
             weight_versions=completion.weight_versions, reward=reward.total, advantage=0.0,
-            group_size=completion.group_size, admitted_version=completion.admitted_version, facts=facts)
+            group_size=completion.group_size, admitted_version=completion.admitted_version, facts=facts,
+            temperature=completion.temperature)
         experience.validate()  # a bad sample fails here, alone, not when its group is flushed
         return _Scored(record, experience, reward, verifier_error)
 

@@ -308,6 +308,11 @@ class InferenceConfig(Section):
     (`loadtests/long_context.py`)."""
     attention_sinks: int = Field(0, ge=0)
     """Local backend, with `attention_window`: the first positions every token keeps attending to."""
+    rescore: bool = False
+    """Local backend: re-score each finished sample with one full-sequence forward, the learner's own
+    computation, so its same-version logprobs equal the learner's in fp32 (`rollout inference serve
+    --rescore`). Off by default: it cost 45% of the throughput on a 2-core CPU (SmolLM2, 16 samples of 32
+    tokens); docs/learner.md, "Train/serve mismatch", gives the cost and the gap without it."""
     stream_interval: int = Field(1, ge=1)
     """Tokens per ``rollout.tokens`` record: new tokens are sent once this many have come (the rest when
     the generation ends). 1 sends every chunk the server streams; larger values cut Kafka records (and
@@ -498,6 +503,17 @@ class LearnerConfig(Section):
     export_dir: str | None = None
     """When set, the learner saves its final weights there as a Hugging Face directory (model and
     tokenizer, loadable with ``from_pretrained``) when it stops (drain or ``max_steps``)."""
+    canary_every: int = Field(1, ge=0)
+    """Probe the inference servers after every k-th weight publication (docs/learner.md, "Train/serve
+    mismatch"): a fixed prompt's log-probs from each server against the learner's under the version the
+    server claims; 0: no canary. Needs the servers' URLs (``inference.urls``, or the embedded server)."""
+    canary_threshold: float = Field(1e-3, gt=0)
+    """Largest probe gap |server - learner| / max(1, |logp|) at the same version before the canary trips."""
+    canary_max_lag_s: float = Field(300.0, gt=0)
+    """A server still claiming an older version this long after the next one was published trips the canary."""
+    canary_action: Literal["warn", "stop"] = "warn"
+    """On a trip: ``warn`` (error log, ``canary_trips`` metric, status) or ``stop`` (that, then the learner
+    fails: no more training on samples from weights nobody can vouch for)."""
     simulate: LearnerSimulateConfig | None = None
     """SIMULATED step time instead of a torch step (see ``LearnerSimulateConfig``); None: train for real.
     E.g. ``simulate = {gpus = 8, model_params = 7e9, mfu = 0.4}``."""

@@ -82,8 +82,8 @@ class Message:
     VERSION: ClassVar[int]
     MAX_TEXT: ClassVar[int] = 4 * 1024 * 1024
     OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset()
-    """Fields added after a schema's version, left out of the body while empty: a consumer that predates
-    them (and rejects unknown fields) still reads every record that does not use them."""
+    """Fields added after a schema's version, left out of the body while empty (equal to their default): a
+    consumer that predates them (and rejects unknown fields) still reads every record that does not use them."""
 
     def validate(self) -> None:
         """Check field types and invariants; raise SchemaError naming the field."""
@@ -100,7 +100,7 @@ class Message:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
-            if f.name in self.OMIT_WHEN_EMPTY and not v:
+            if f.name in self.OMIT_WHEN_EMPTY and _is_default(f, v):
                 continue
             if isinstance(v, np.ndarray):
                 v = np.ascontiguousarray(v).tobytes()
@@ -133,6 +133,26 @@ class Message:
         msg = cls(**kwargs)
         msg.validate()
         return msg
+
+
+def _is_default(f: dataclasses.Field[Any], value: Any) -> bool:
+    """``value`` is the field's default (or, with a default factory, what the factory makes)."""
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        return False
+    if isinstance(value, np.ndarray) or isinstance(default, np.ndarray):
+        return False
+    return bool(type(value) is type(default) and value == default)
+
+
+def _check_temperature(schema: str, temperature: float) -> None:
+    """A sample's sampling temperature must be > 0: the learner divides the logits by it, as the server did."""
+    if not 0 < temperature < float("inf"):  # NaN fails too
+        raise SchemaError(schema, "temperature", f"must be a finite number > 0 (the learner scores tokens at "
+                                                 f"logits / temperature, as the server sampled them), got {temperature!r}")
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -403,6 +423,7 @@ class Completion(Message):
 
     SCHEMA: ClassVar[str] = "completion"
     VERSION: ClassVar[int] = 1
+    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset({"temperature"})
 
     sample_id: str
     task_id: str
@@ -422,8 +443,12 @@ class Completion(Message):
     transcript: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     episode_facts: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Multi-turn episodes: the facts the sandbox actor returned when the episode closed."""
+    temperature: float = 1.0
+    """The sampling temperature the server applied (``logprobs`` are of ``softmax(logits / temperature)``);
+    must be > 0. Left out of the body while 1."""
 
     def _check(self) -> None:
+        _check_temperature(self.SCHEMA, self.temperature)
         _nonneg(self.SCHEMA, group_index=self.group_index, turns=self.turns)
         if not 0 <= self.group_index < self.group_size:
             raise SchemaError(self.SCHEMA, "group_index", f"must be in 0..{self.group_size - 1}")
@@ -459,6 +484,7 @@ class Experience(Message):
 
     SCHEMA: ClassVar[str] = "experience"
     VERSION: ClassVar[int] = 1
+    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset({"temperature"})
 
     sample_id: str
     task_id: str
@@ -475,8 +501,12 @@ class Experience(Message):
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)
     filtered: str = ""
     """Non-empty when the sample must be counted but not trained (e.g. ``zero_variance``, ``straggler``)."""
+    temperature: float = 1.0
+    """The sampling temperature of the behaviour policy: the learner scores the tokens at ``logits /
+    temperature`` as the server sampled them; must be > 0. Left out of the body while 1."""
 
     def _check(self) -> None:
+        _check_temperature(self.SCHEMA, self.temperature)
         _same_length(
             self.SCHEMA,
             response_ids=self.response_ids,

@@ -33,6 +33,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from learning import lora
+from learning.mismatch import gap_stats, same_version_gaps
 from engine.config import LearnerConfig
 from engine.schemas import Experience
 
@@ -156,10 +157,14 @@ class Batch:
 
 
 def sample_temperature(exp: Experience) -> float:
-    """Sampling temperature of the behaviour policy: ``facts["temperature"]`` if the sample says, else 1."""
-    t = exp.facts.get("temperature", 1.0)
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-        return 1.0
+    """Sampling temperature of the behaviour policy (``Experience.temperature``, carried from the server).
+
+    The learner divides the logits by it before the log-softmax, as the server did when it sampled; a
+    temperature <= 0 is refused (the schema rejects it; this guards samples built in process).
+    """
+    t = exp.temperature
+    if not 0 < t < math.inf:
+        raise ValueError(f"sample {exp.sample_id}: temperature {t!r} is not > 0")
     return float(t)
 
 
@@ -783,6 +788,7 @@ class Learner:
         sample_w = torch.tensor(weights, dtype=torch.float32)
         self.last_domains = domain_report(samples, tokens, weights)
         sums = _Sums()
+        gaps: list[torch.Tensor] = []  # train/serve mismatch on same-version tokens (learning/mismatch.py)
         self.model.train()
         try:
             if cfg.domain_grad_norms and len(self.last_domains) > 1:
@@ -801,6 +807,8 @@ class Learner:
                                                objective=cfg.objective, tis_cap=cfg.tis_cap, clip_eps=cfg.clip_eps,
                                                off_policy=cfg.off_policy, band=cfg.off_policy_band,
                                                seq_index=mb.sample_index)
+                if self.serves_own_version:
+                    gaps.append(same_version_gaps(samples, mb, logp, self.version))
                 m = mb.loss_mask.to(logp.dtype)
                 w_tok = token_weights(mb, sample_w).to(logp.dtype)
                 loss = (per_tok * w_tok).sum()
@@ -832,7 +840,15 @@ class Learner:
             stats["ratio_mean"] = sums.ratio / n
         if cfg.kl_coef > 0:
             stats["kl_ref"] = sums.kl_ref / n
+        stats.update(gap_stats(gaps))
         return stats
+
+    @property
+    def serves_own_version(self) -> bool:
+        """The weights held are exactly those published as ``version`` (no step since that publication), so
+        a token sampled under ``version`` can be compared with the learner's log-prob for train/serve
+        mismatch. With ``publish_every > 1`` only the steps that follow a publication measure it."""
+        return self.step_count % self.cfg.publish_every == 0
 
     def _domain_grad_norms(self, samples: Sequence[Experience], mbs: Sequence[Packed],
                            sample_w: torch.Tensor) -> dict[str, float]:
@@ -1025,3 +1041,27 @@ def mean_logprob(model: PreTrainedModel, samples: Sequence[Experience], pad_id: 
     m = batch.loss_mask.to(logp.dtype)
     value = float((logp * m).sum() / m.sum().clamp_min(1.0))
     return value if math.isfinite(value) else float("-inf")
+
+
+def score_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                 temperature: float) -> list[float]:
+    """The learner's log-probs of ``response_ids`` after ``prompt_ids`` at ``temperature``, one sample alone.
+
+    Exactly the learner's computation (``pack`` + ``packed_logprobs``: the fp32 log-softmax of ``logits /
+    temperature``) over the sample's whole sequence in one forward pass, without a shared prefix: a learner
+    packing without prefix sharing gets bitwise these values for the sample (docs/learner.md, "Train/serve
+    mismatch"). The local server's ``rescore`` reports these for every finished sample.
+    """
+    n = len(response_ids)
+    if n == 0:
+        return []
+    exp = Experience(sample_id="score", task_id="score", domain="score",
+                     prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+                     response_ids=np.asarray(response_ids, dtype=np.int32),
+                     logprobs=np.zeros(n, dtype=np.float32), loss_mask=np.ones(n, dtype=np.uint8),
+                     weight_versions=np.zeros(n, dtype=np.int32), reward=0.0, advantage=0.0, group_size=1,
+                     temperature=float(temperature))
+    (mb,) = pack([exp], micro_batch_tokens=len(prompt_ids) + n, share_prefix=False)
+    with torch.no_grad():
+        logp, _ = packed_logprobs(model, mb)
+    return [float(x) for x in logp.tolist()]

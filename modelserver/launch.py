@@ -65,8 +65,9 @@ class LocalServer:
                  prefix_cache_tokens: int = 8192, attention_window: int | None = None,
                  attention_sinks: int = 0, prefix_cache_int8_tokens: int = 0, backend: str = "local",
                  kv_cache: str = "paged", kv_cache_tokens: int = 65536, prefix_cache_disk_tokens: int = 0,
-                 prefix_cache_disk_dir: str | None = None) -> None:
+                 prefix_cache_disk_dir: str | None = None, rescore: bool = False) -> None:
         self.model_dir = str(model_dir)
+        self.rescore = rescore
         self.api_key = api_key
         self.log_path = Path(log_path)
         self.weight_version = weight_version
@@ -100,7 +101,8 @@ class LocalServer:
                 "--dtype", self.dtype, "--prefix-cache-tokens", str(self.prefix_cache_tokens),
                 "--prefix-cache-int8-tokens", str(self.prefix_cache_int8_tokens), "--backend", self.backend]
         if self.backend == "local":
-            argv += ["--kv-cache", self.kv_cache, "--kv-cache-tokens", str(self.kv_cache_tokens)]
+            argv += ["--kv-cache", self.kv_cache, "--kv-cache-tokens", str(self.kv_cache_tokens),
+                     "--rescore" if self.rescore else "--no-rescore"]
             if self.prefix_cache_disk_tokens:
                 argv += ["--prefix-cache-disk-tokens", str(self.prefix_cache_disk_tokens)]
                 if self.prefix_cache_disk_dir:
@@ -178,7 +180,7 @@ def launch_local(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalS
                        attention_window=cfg.attention_window, attention_sinks=cfg.attention_sinks,
                        prefix_cache_int8_tokens=cfg.prefix_cache_int8_tokens, kv_cache=cfg.kv_cache,
                        kv_cache_tokens=cfg.kv_cache_tokens, prefix_cache_disk_tokens=cfg.prefix_cache_disk_tokens,
-                       prefix_cache_disk_dir=cfg.prefix_cache_disk_dir)
+                       prefix_cache_disk_dir=cfg.prefix_cache_disk_dir, rescore=cfg.rescore)
 
 
 def launch_sim(cfg: InferenceConfig, model_dir: Path, run_dir: Path) -> LocalServer:

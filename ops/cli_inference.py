@@ -20,7 +20,12 @@ import signal
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from engine.config import INFERENCE_API_KEY_ENV as API_KEY_ENV
+
+if TYPE_CHECKING:
+    from modelserver.local.engine import Rescorer
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +67,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                        help="sliding-window attention over the last N positions (default: full attention)")
     serve.add_argument("--attention-sinks", type=int, default=0,
                        help="with --attention-window: first positions always attended to (default: 0)")
+    serve.add_argument("--rescore", action=argparse.BooleanOptionalAction, default=False,
+                       help="re-score each finished sample with one full-sequence forward, the learner's own "
+                            "computation, so same-version logprobs equal the learner's (docs/learner.md; default: off)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the generated tiny model (default: 0)")
     serve.add_argument("--weight-version", default="default", help="initial weight version (default: 'default')")
     serve.add_argument(
@@ -173,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         gc_freeze=args.gc_freeze,
         api_key=api_key,
+        rescore=_rescorer() if args.rescore else None,
     )
 
     def announce(host: str, port: int) -> None:
@@ -199,6 +208,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout inference serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rescorer() -> Rescorer:
+    """The learner's own scoring (``learning.core.score_tokens``): the server re-scores finished samples with it."""
+    from learning.core import score_tokens
+
+    return score_tokens
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -195,7 +195,11 @@ class Deployment:
         if "learner" in self.roles:
             from actors.learner import LearnerActor
 
-            add("learner", lambda: LearnerActor(rt, model_dir=str(self.model_dir)))
+            # the weights canary probes the servers this deployment started, or inference.urls; a simulated
+            # server's synthetic logprobs say nothing about its weights
+            probe = (list(self.inference_urls) if self.inference_urls and self.cfg.inference.backend != "sim"
+                     else [] if self.cfg.inference.backend == "sim" else None)
+            add("learner", lambda: LearnerActor(rt, model_dir=str(self.model_dir), probe_urls=probe))
 
         if "scheduler" in self.roles:
             from actors.scheduler import SchedulerActor

@@ -154,6 +154,17 @@ class _Sample:
         self.mask += [1] * len(ids)
         self.versions += versions
 
+    def take_final_logprobs(self, final: GenerateResult, produced: int) -> None:
+        """The logprobs of a finished generation's last chunk replace those streamed for its ``produced`` tokens.
+
+        A server that re-scores a finished sample (the local server's ``rescore``: one full-sequence
+        forward, the learner's computation) reports the re-scored logprobs on the last chunk only; the
+        tokens streamed to ``rollout.tokens`` before it carry the decode-time ones.
+        """
+        lps = final.logprobs or []
+        if produced and len(lps) == produced and len(self.logprobs) >= produced:
+            self.logprobs[len(self.logprobs) - produced:] = [float(x) for x in lps]
+
     def add_observation(self, ids: list[int]) -> None:
         self.ids += ids
         self.logprobs += [0.0] * len(ids)
@@ -389,7 +400,7 @@ class InferenceActor(StreamActor):
             loss_mask=np.asarray(sample.mask, np.uint8), weight_versions=np.asarray(sample.versions, np.int32),
             text=self.tokenizer.decode(model_ids, skip_special_tokens=True), finish_reason=finish,
             spec=task.spec, turns=max(1, len(transcript)), admitted_version=task.admitted_version,
-            transcript=transcript, episode_facts=episode_facts)
+            transcript=transcript, episode_facts=episode_facts, temperature=float(sampling["temperature"]))
         self.samples_done += 1
         return completion
 
@@ -411,9 +422,20 @@ class InferenceActor(StreamActor):
             part.clear()
 
     def _sampling(self, task: Task) -> dict[str, Any]:
+        """The task's sampling parameters over ``inference``'s defaults; the temperature must be > 0.
+
+        The temperature travels with the sample (``Completion.temperature``): the learner scores the
+        tokens at ``logits / temperature`` as the server sampled them. A greedy (0) temperature has no
+        such distribution, so such a task is refused here (dead-lettered with this reason) rather than
+        trained at the wrong one.
+        """
         cfg = self.rt.cfg.inference
         s = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
         s.update(task.sampling)
+        t = s["temperature"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"task {task.task_id}: sampling temperature {t!r} is not a number > 0 (a trained "
+                             "sample is scored at logits / temperature; greedy decoding has no such distribution)")
         return s
 
     async def _generate(self, record: EventRecord, task: Task, sample: _Sample, context: list[int],
@@ -460,6 +482,8 @@ class InferenceActor(StreamActor):
                 self._stream_tokens(record, task, sample, unsent, chunk_headers)
             assert final is not None
             kind = final.finish_type or "unknown"
+            if kind != "abort":
+                sample.take_final_logprobs(final, seen)
             if kind == "abort" and self._update_epoch != epoch and len(mine) < budget and not self.draining:
                 attempt += 1
                 self.resumed += 1

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 from aiohttp import web
 
-from modelserver.local.engine import LocalEngine, Sequence, WeightUpdateError
+from modelserver.local.engine import LocalEngine, Rescorer, Sequence, WeightUpdateError
 from modelserver.local.openai_api import add_openai_routes
 from modelserver.local.protocol import (
     BadRequest,
@@ -85,6 +85,9 @@ class ServerConfig:
     ``rollout inference serve`` sets it: the server is then its own process."""
     api_key: str | None = field(default=None, repr=False)
     """Bearer key every endpoint but ``/health`` requires (None: none, and loopback only)."""
+    rescore: Rescorer | None = field(default=None, repr=False)
+    """Re-scores each finished sample (``LocalEngine.rescore``; ``rollout inference serve --rescore`` hands in
+    the learner's ``learning.core.score_tokens``); None: the decode-time logprobs are reported."""
 
 
 class InsecureBindError(ValueError):
@@ -525,6 +528,7 @@ async def _load_engine(state: ServerState) -> None:
         attention_sinks=config.attention_sinks,
         weight_version=config.weight_version,
         model_path=state.model_dir,
+        rescore=config.rescore,
     )
     await engine.start()
     state.engine = engine

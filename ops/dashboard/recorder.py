@@ -20,8 +20,9 @@ Which statistic feeds which chart (:func:`gauges`, :func:`counters`):
   ``pool`` statistics; the actors of a process share one pool, so the largest report counts), and
   records in flight in the sandbox actors;
 - ``lag``: consumer lag (uncommitted records) and records in flight per actor;
-- ``learner``: the last optimizer step's policy entropy, KL to the reference (k3), clip fraction
-  and gradient norm (the learner's ``metrics``);
+- ``learner``: the last optimizer step's policy entropy, KL to the reference (k3), clip fraction,
+  gradient norm, the same-version train/serve mismatch (p99, max: nats) and the canary's last probe gap
+  (the learner's ``metrics``);
 - ``balance``: each domain's sampling share (the scheduler's ``balance``: 0 while paused) and its share of
   the last step's gradient (``grad <domain>``: the learner's ``step_domains``).
 """
@@ -61,7 +62,8 @@ CHARTS = (
 )
 
 LEARNER_SERIES = (("entropy", "entropy"), ("kl_ref", "KL to reference"), ("clip_frac", "clip fraction"),
-                  ("grad_norm", "grad norm"))
+                  ("grad_norm", "grad norm"), ("mismatch_p99", "train/serve mismatch p99"),
+                  ("mismatch_max", "train/serve mismatch max"), ("canary_gap", "canary gap"))
 """(key of the learner's step metrics, series name) on the ``learner`` chart."""
 
 Point = tuple[str, str, float]

@@ -42,7 +42,7 @@ def model(tokenizer):
 
 def make_exp(sid: str, *, versions: list[int] | None = None, mask: list[int] | None = None, advantage: float = 1.0,
              filtered: str = "", response: list[int] | None = None, prompt: list[int] | None = None,
-             logprob: float = -4.0, facts: dict | None = None) -> Experience:
+             logprob: float = -4.0, facts: dict | None = None, temperature: float = 1.0) -> Experience:
     response = response if response is not None else [10, 20, 30, 40]
     n = len(response)
     return Experience(
@@ -52,7 +52,7 @@ def make_exp(sid: str, *, versions: list[int] | None = None, mask: list[int] | N
         logprobs=np.full(n, logprob, dtype=np.float32),
         loss_mask=np.asarray(mask if mask is not None else [1] * n, dtype=np.uint8),
         weight_versions=np.asarray(versions if versions is not None else [0] * n, dtype=np.int32),
-        reward=1.0, advantage=advantage, group_size=4, filtered=filtered, facts=facts or {})
+        reward=1.0, advantage=advantage, group_size=4, filtered=filtered, facts=facts or {}, temperature=temperature)
 
 
 def grads(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ def test_loss_is_a_mean_over_loss_masked_tokens_only(objective):
 def test_collate_pads_variable_lengths_without_changing_logprobs(model):
     a = make_exp("a", prompt=[5, 6], response=[10, 11, 12, 13, 14])
     b = make_exp("b", prompt=[7, 8, 9, 4], response=[20, 21], mask=[1, 0])
-    c = make_exp("c", prompt=[5], response=[30, 31, 32], facts={"temperature": 0.5})
+    c = make_exp("c", prompt=[5], response=[30, 31, 32], temperature=0.5)
     batched = response_logprobs(model, collate([a, b, c]))
     for i, s in enumerate([a, b, c]):
         alone = response_logprobs(model, collate([s]))[0]
@@ -130,14 +130,14 @@ def grpo_batch(groups: int = 3, size: int = 4, *, seed: int = 0) -> list[Experie
     out = []
     for g in range(groups):
         prompt = rng.integers(4, 90, size=int(rng.integers(3, 9))).tolist()
-        facts = {"temperature": 0.7} if g == 1 else {}
+        temperature = 0.7 if g == 1 else 1.0
         for k in range(size):
             response = rng.integers(4, 90, size=int(rng.integers(1, 7))).tolist()
             mask = [1] * len(response)
             if len(response) > 2:
                 mask[1] = 0  # an observation token inside the response
             out.append(make_exp(f"g{g}-{k}", prompt=prompt, response=response, mask=mask,
-                                advantage=float(rng.normal()), logprob=-3.0, facts=facts))
+                                advantage=float(rng.normal()), logprob=-3.0, temperature=temperature))
     return out
 
 

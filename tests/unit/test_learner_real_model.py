@@ -59,7 +59,7 @@ def _exp(sid: str, prompt: list[int], response: list[int], *, logprobs: list[flo
                       logprobs=np.asarray(logprobs if logprobs is not None else [0.0] * n, dtype=np.float32),
                       loss_mask=np.ones(n, dtype=np.uint8), weight_versions=np.zeros(n, dtype=np.int32),
                       reward=0.0, advantage=1.0, group_size=4,
-                      facts={"temperature": temperature} if temperature else {})
+                      temperature=temperature or 1.0)
 
 
 def _chat_prompt(tokenizer, question: str) -> list[int]:  # type: ignore[no-untyped-def]
