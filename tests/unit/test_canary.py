@@ -119,3 +119,36 @@ def test_the_gap_is_relative_to_the_logprob() -> None:
     assert canary.relative_gap([-10.0], [-10.00001]) == pytest.approx(1e-6, rel=1e-3)
     assert canary.relative_gap([-0.5], [-0.5000005]) == pytest.approx(5e-7, rel=1e-3)
     assert canary.relative_gap([-1.0, -2.0], [-1.0]) == float("inf")
+
+
+@pytest.mark.anyio
+async def test_the_learner_role_says_so_loudly_and_stops_when_configured(served, caplog) -> None:
+    """The role's canary after a publication: error log, counters, status, and with ``canary_action = "stop"``
+    the learner fails (CanaryTripped)."""
+    import json
+
+    from actors.learner import CanaryTripped, LearnerActor
+    from actors.runtime import Runtime
+    from engine.config import EngineConfig, TransportConfig
+    from engine.topics import Names
+
+    model_dir, url = served
+    model, tokenizer = load_model_dir(model_dir)
+    cfg = EngineConfig(transport=TransportConfig(type="memory"),
+                       learner=CFG.model_copy(update={"canary_action": "stop"}))
+    async with Runtime(cfg, instance="canary") as rt:
+        actor = LearnerActor(rt, model_dir, probe_urls=[url])
+        actor.learner, actor.tokenizer = Learner(model, cfg.learner, max_staleness=4), tokenizer
+        _train_one_step(actor.learner)
+        actor._published_at[1] = 0.0
+        client = SGLangClient([url])
+        try:
+            await client.update_weight_version("1")  # blocked: the old weights stay
+        finally:
+            await client.aclose()
+        with pytest.raises(CanaryTripped, match="claims weight version 1"):
+            await actor._canary()
+        assert actor.canary_trips == 1 and actor.statistics()["canary_trips"] == 1
+        assert any("CANARY TRIPPED" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+        status = json.loads(await rt.require_control().kv_get(rt.kv_bucket, Names.LEARNER_VERSION_KEY) or b"{}")
+        assert status["canary"]["trips"] == 1 and "claims weight version 1" in status["canary"]["tripped"]
