@@ -75,14 +75,15 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     token_versions: list[str] = field(default_factory=list)
-    slot: int | None = None
-    """Row of the runner's KV cache this sequence owns while it runs."""
+    kv_id: int | None = None
+    """The KV store's id of this sequence's cache while it runs (a block table of the paged store, a row
+    of the slot store); None while it waits."""
     cached: int = 0
-    """Tokens of prompt + output whose keys and values are in the slot."""
+    """Tokens of prompt + output whose keys and values are in its KV cache."""
     cached_tokens: int = 0
     """Prompt tokens copied from another sequence's cache or the prefix cache (SGLang's ``cached_tokens``)."""
     kv_epoch: int = -1
-    """The engine's weights epoch when this sequence's slot was filled (its KV is valid under it only)."""
+    """The engine's weights epoch when this sequence's KV cache was filled (its KV is valid under it only)."""
     finish_reason: dict[str, Any] | None = None
     finished_at: float | None = None
     weight_version: str = "default"
@@ -500,7 +501,7 @@ class LocalEngine:
                         self._blocked = len(self._waiting)  # first come, first served: the head waits for blocks
                         break
                     seq = self._waiting.popleft()
-                    seq.slot = self.runner.acquire()
+                    seq.kv_id = self.runner.acquire()
                     seq.kv_epoch = self._epoch
                     self._running.append(seq)
                     if shared:  # admitted on the strength of blocks it shares: take them now
@@ -529,8 +530,8 @@ class LocalEngine:
                 self._apply_aborts()
                 if self.runner.window is not None and isinstance(self.runner, PagedRunner):
                     for seq in self._running:  # a sliding window: blocks no later query reads go back
-                        if seq.slot is not None:
-                            self.runner.release_outside_window(seq.slot, seq.cached)
+                        if seq.kv_id is not None:
+                            self.runner.release_outside_window(seq.kv_id, seq.cached)
 
     async def _rescore_finished(self) -> None:
         """Replace the logprobs of this step's finished sequences by a full-sequence forward's, then finish them.
@@ -583,7 +584,7 @@ class LocalEngine:
         admitted, the ``credit`` of blocks it will share)."""
         assert isinstance(self.runner, PagedRunner)
         worst = self._worst_case_blocks(len(seq.prompt_ids), seq.params.max_new_tokens)
-        held = self.runner.held_blocks(seq.slot) if seq.slot is not None else credit
+        held = self.runner.held_blocks(seq.kv_id) if seq.kv_id is not None else credit
         return max(0, worst - held)
 
     def _shareable_blocks(self, seq: Sequence) -> int:
@@ -594,7 +595,7 @@ class LocalEngine:
             return 0
         assert isinstance(self.runner, PagedRunner)
         n, source = self._running_source(seq, 0)
-        return self.runner.shared_blocks(source.slot, n) if source is not None and source.slot is not None else 0
+        return self.runner.shared_blocks(source.kv_id, n) if source is not None and source.kv_id is not None else 0
 
     def _admission(self, seq: Sequence) -> int | None:
         """Admission control of the paged store: admit ``seq`` only if every running sequence's worst case
@@ -661,10 +662,10 @@ class LocalEngine:
         best, source = floor, None
         limit = len(seq.prompt_ids) - 1
         for other in self._running:
-            if other is seq or other.cached <= best or other.slot is None or other.kv_epoch != self._epoch:
+            if other is seq or other.cached <= best or other.kv_id is None or other.kv_epoch != self._epoch:
                 continue
             n = min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
-            if n > best and (not isinstance(self.runner, PagedRunner) or self.runner.can_share(other.slot, n)):
+            if n > best and (not isinstance(self.runner, PagedRunner) or self.runner.can_share(other.kv_id, n)):
                 best, source = n, other
         return best, source
 
@@ -673,18 +674,18 @@ class LocalEngine:
         (``restore=False``: not from the int8 tier, whose copy takes new blocks)."""
         best, source = self._running_source(seq, seq.cached)
         limit = len(seq.prompt_ids) - 1
-        if seq.slot is None:
+        if seq.kv_id is None:
             return
         if self.radix is not None:
             self._share_paged(seq, best, source, limit, restore)
             return
         retained, kv = self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch) if best < limit else (0, None)
         if kv is not None and retained > best:
-            self.runner.import_prefix(seq.slot, kv, retained)
+            self.runner.import_prefix(seq.kv_id, kv, retained)
             self.prefix_cache.record_hit(retained - seq.cached)
             seq.cached = seq.cached_tokens = retained
-        elif source is not None and source.slot is not None:
-            self.runner.copy_prefix(seq.slot, source.slot, best)
+        elif source is not None and source.kv_id is not None:
+            self.runner.copy_prefix(seq.kv_id, source.kv_id, best)
             self._shared_tokens += best - seq.cached
             seq.cached = seq.cached_tokens = best
 
@@ -694,23 +695,23 @@ class LocalEngine:
         Only a sequence holding nothing yet restores from the int8 tier (new blocks): with blocks already
         shared, replacing them could leave the pool short of what admission counted on.
         """
-        assert self.radix is not None and seq.slot is not None
+        assert self.radix is not None and seq.kv_id is not None
         blocks, tail_block, tail = self.radix.match(seq.prompt_ids, limit) if best < limit else ([], -1, 0)
         tree = len(blocks) * self.radix.block_size + tail
         floor = max(best, tree, seq.cached)
         cold, kv = (self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch, floor=floor)
                     if restore and seq.cached == 0 and floor < limit else (0, None))
         if kv is not None and cold > floor:
-            self.runner.import_prefix(seq.slot, kv, cold)
+            self.runner.import_prefix(seq.kv_id, kv, cold)
             self.prefix_cache.record_hit(cold)
             seq.cached = seq.cached_tokens = cold
         elif tree > best and tree > seq.cached:
             assert isinstance(self.runner, PagedRunner)
-            self.runner.adopt(seq.slot, blocks, tail_block, tail)
+            self.runner.adopt(seq.kv_id, blocks, tail_block, tail)
             self.radix.record_hit(tree - seq.cached)
             seq.cached = seq.cached_tokens = tree
-        elif source is not None and source.slot is not None and best > seq.cached:
-            self.runner.copy_prefix(seq.slot, source.slot, best)
+        elif source is not None and source.kv_id is not None and best > seq.cached:
+            self.runner.copy_prefix(seq.kv_id, source.kv_id, best)
             self._shared_tokens += best - seq.cached
             seq.cached = seq.cached_tokens = best
 
@@ -718,15 +719,15 @@ class LocalEngine:
         """Worker-thread part of a step: forward passes, cache updates, sampling."""
         sampled: dict[Sequence, _Sampled] = {}
         for seq, _ in prefill:
-            assert seq.slot is not None
+            assert seq.kv_id is not None
         # A chunk that completes a sequence's pending tokens yields its next-token logits.
         complete = [len(chunk) == len(seq.pending_ids()) for seq, chunk in prefill]
-        slots = [seq.slot for seq in decode]
-        assert all(s is not None for s in slots)
+        kv_ids = [seq.kv_id for seq in decode]
+        assert all(i is not None for i in kv_ids)
         tokens = [seq.pending_ids()[0] for seq in decode]
         pre_logits, dec_logits = self.runner.step(
-            [(seq.slot, seq.cached, chunk) for seq, chunk in prefill],  # type: ignore[misc]
-            slots, [seq.cached for seq in decode], tokens)  # type: ignore[arg-type]
+            [(seq.kv_id, seq.cached, chunk) for seq, chunk in prefill],  # type: ignore[misc]
+            kv_ids, [seq.cached for seq in decode], tokens)  # type: ignore[arg-type]
         rows: list[Sequence] = []
         row_logits: list[torch.Tensor] = []
         for (seq, chunk), done, logits in zip(prefill, complete, pre_logits):
@@ -863,28 +864,28 @@ class LocalEngine:
         seq.changed.set()
 
     def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self._retain(seq, seq.slot)
-            self.runner.release(seq.slot)
-        seq.slot = None
+        if seq.kv_id is not None:
+            self._retain(seq, seq.kv_id)
+            self.runner.release(seq.kv_id)
+        seq.kv_id = None
         seq.cached = 0
 
-    def _retain(self, seq: Sequence, slot: int) -> None:
+    def _retain(self, seq: Sequence, kv_id: int) -> None:
         """Keep a leaving sequence's computed prefix in the prefix cache (same weights epoch only)."""
         if seq.kv_epoch != self._epoch or seq.cached < 2:
             return
         if seq.abort_message is not None and seq.abort_message.startswith("internal error"):
-            return  # a failed step: its slot may hold half-written positions
+            return  # a failed step: its cache may hold half-written positions
         if self.radix is not None:
             assert isinstance(self.runner, PagedRunner)
             # with a window, what comes before the first released block (the sinks' blocks)
-            keep = min(seq.cached, self.runner.live_prefix(slot))
+            keep = min(seq.cached, self.runner.live_prefix(kv_id))
             if keep >= 2:
-                self.radix.insert(seq.tokens()[:keep], self.runner.table(slot))
+                self.radix.insert(seq.tokens()[:keep], self.runner.table(kv_id))
             return
         if not self.prefix_cache.enabled:
             return
-        self.prefix_cache.insert(seq.tokens()[: seq.cached], lambda n: self.runner.export_prefix(slot, n), self._epoch)
+        self.prefix_cache.insert(seq.tokens()[: seq.cached], lambda n: self.runner.export_prefix(kv_id, n), self._epoch)
 
     # ---------------------------------------------------------------- output
 

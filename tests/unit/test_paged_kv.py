@@ -159,7 +159,7 @@ async def test_a_group_shares_its_prompt_blocks(model, tok) -> None:  # type: ig
         runner = engine.runner
         assert isinstance(runner, PagedRunner)
         full = (len(prompt) - 1) // 4
-        tables = [runner.table(s.slot) for s in group if s.slot is not None and not s.finished]
+        tables = [runner.table(s.kv_id) for s in group if s.kv_id is not None and not s.finished]
         assert len(tables) == 8 and all(t[:full] == tables[0][:full] for t in tables)  # the same pool blocks
         assert all(runner.refcount(b) >= 8 for b in tables[0][:full])
         await asyncio.gather(*(_finish(s) for s in group))
