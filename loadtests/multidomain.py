@@ -33,8 +33,18 @@ and ``domains``: per domain its constant-answer baseline, before, after and gain
 over time).
 
     python -m loadtests.multidomain [--seconds 1800] [--seeds 2] [--domains a,b,rg:c] [--untrained x]
-        [--only engine_adaptive,engine_static,trl] [--model-dir DIR] [--json out.json] [--png out.png]
-        [--eval-tasks 32] [--eval-samples 4] [--quick]
+        [--systems engine_adaptive,engine_static,trl] [--resume out.json] [--model-dir DIR] [--json out.json]
+        [--png out.png] [--eval-tasks 32] [--eval-samples 4] [--quick]
+
+The whole default run (2 x 2 engine runs and TRL, 30 minutes each, then the evaluation) is longer than one
+working session, so it can be split: ``--systems`` runs a subset, and ``--resume FILE`` adds this session's
+runs to the result FILE of an earlier one (read, then written back, unless ``--json`` names another file). A
+resumed session takes the earlier session's domains, budget, model and evaluator settings (given again they must
+be equal), reuses its base-model ("before") scores and scores only its own runs' weights with the same evaluator,
+so the combined JSON is what one long session would have written. Without ``--systems`` it runs the systems the
+file has no successful run of. A run already in the file with status ``ok`` is refused; a failed or
+"not installed" one is replaced. The file records each session's machine (a different CPU count or model
+is warned about: the budget is wall-clock, so the sessions belong on one machine class).
 
 ``--quick`` checks the script: the tiny char model, the char domains (arith, code, terminal), a short budget,
 the two engine systems, one seed. Bad input (an unknown domain, one without a held-out split or not
@@ -50,6 +60,7 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import sys
 import tempfile
 import threading
@@ -63,12 +74,16 @@ from loadtests.learning import (BadInput, SystemResult, apply_engine_steps, chec
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_DOMAINS = ("math", "docqa", "python", "rg:chain_sum", "rg:basic_arithmetic", "rg:leg_counting",
-                   "rg:letter_counting", "rg:count_bits", "rg:gcd")
-"""Trained at once by default: shipped domains and reasoning-gym families whose untrained held-out accuracy
-leaves room (to be fixed from the measured untrained accuracy, ``loadtests/domains.py``)."""
-DEFAULT_UNTRAINED = ("rg:lcm",)
-"""Evaluated, never trained: a domain falling there is a regression the training caused."""
+DEFAULT_DOMAINS = ("math", "docqa", "python", "rg:chain_sum", "rg:binary_alternation", "rg:knights_knaves",
+                   "rg:products", "rg:letter_counting")
+"""Trained at once by default, chosen by measurement (docs/domains.md "The multi-domain benchmark's domains";
+``docs/results/domains-candidates-2026-12-06.json``): SmolLM2-135M-Instruct's untrained held-out accuracy at
+T = 1 over 32 tasks x 4 samples (the benchmark's own evaluator geometry) is above 0 and at most 0.6, and a
+constant answer wins less than half the time. ``rg:letter_counting`` (0.008, 2 of 160 with the table's
+samples) is the weakest; every other scoring domain either scores 0 or answers one constant most of the time."""
+DEFAULT_UNTRAINED = ("rg:course_schedule",)
+"""Evaluated, never trained: a domain falling there is a regression the training caused. ``rg:course_schedule``
+scores 0.24 untrained (a fall is visible) but its constant answer ("True") wins 0.52, so it is not trained."""
 QUICK_DOMAINS = ("arith", "code", "terminal")
 QUICK_UNTRAINED: tuple[str, ...] = ()
 DEFAULT_SECONDS = 1800.0
@@ -93,6 +108,8 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 """Each system, in the order they run, with its overrides of the generated engine config (nested like the
 TOML: ``{"scheduler": {"balance": {...}}}``); TRL's are not an engine config (empty)."""
 ENGINE_SYSTEMS = ("engine_adaptive", "engine_static")
+TRL_MISSING = ("trl is not importable here: it is the optional extra 'peers' (pip install -e '.[peers]'); "
+               "add its row later with --systems trl --resume FILE")
 HEADLINE = "engine_adaptive"
 """The system whose figures are the JSON's flat ``mean_gain``, ``domains_up`` and ``domains_down``."""
 
@@ -109,7 +126,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                      f"{','.join(DEFAULT_DOMAINS)}; --quick: {','.join(QUICK_DOMAINS)})")
     p.add_argument("--untrained", help="comma-separated domains evaluated but not trained (default: "
                                        f"{','.join(DEFAULT_UNTRAINED) or 'none'}; '' for none)")
-    p.add_argument("--only", help=f"comma-separated systems, of {','.join(SYSTEMS)} (default: all; --quick: the engine's)")
+    p.add_argument("--systems", "--only", dest="only",
+                   help=f"comma-separated systems to run, of {','.join(SYSTEMS)} (default: all; --quick: the engine's; "
+                        "with --resume: those the file has no successful run of)")
+    p.add_argument("--resume", metavar="FILE",
+                   help="add this session's runs to FILE, an earlier session's --json (its settings and before-scores kept)")
     p.add_argument("--quick", action="store_true", help="the tiny char model, char domains, a short budget (a smoke run)")
     p.add_argument("--model-dir", default=os.environ.get(MODEL_ENV) or str(DEFAULT_MODEL),
                    help=f"Hugging Face model directory (default: ${MODEL_ENV}, else {DEFAULT_MODEL})")
@@ -175,6 +196,9 @@ def check_domain(name: str, flag: str) -> bool:
 
 def validate(args: argparse.Namespace) -> tuple[list[str], DomainSet]:
     """Check the arguments and fill defaults in; returns the systems and the domains. Raises BadInput."""
+    prior = load_prior(args.resume) if args.resume else None
+    if prior is not None:
+        adopt_settings(args, prior)
     if args.seconds is None:
         args.seconds = QUICK_SECONDS if args.quick else DEFAULT_SECONDS
     if not args.seconds > 0:
@@ -194,13 +218,19 @@ def validate(args: argparse.Namespace) -> tuple[list[str], DomainSet]:
     if not args.status_every > 0:
         raise BadInput(f"--status-every must be > 0, got {args.status_every:g}")
     if args.only is not None:
-        wanted = _names(args.only, "--only")
+        wanted = _names(args.only, "--systems")
         unknown = [s for s in wanted if s not in SYSTEMS]
         if unknown or not wanted:
-            raise BadInput(f"--only: unknown system {', '.join(unknown) or repr(args.only)}; choose from {', '.join(SYSTEMS)}")
+            raise BadInput(f"--systems: unknown system {', '.join(unknown) or repr(args.only)}; choose from {', '.join(SYSTEMS)}")
         systems = [s for s in SYSTEMS if s in wanted]
     else:
         systems = list(ENGINE_SYSTEMS) if args.quick else list(SYSTEMS)
+        if prior is not None:
+            systems = [s for s in systems if not prior.ok_runs(s)]
+            if not systems:
+                raise BadInput(f"--resume {args.resume}: every system already has a successful run there; name --systems")
+    if prior is not None:
+        prior.check_new_runs(systems, args)
     trained = _names(args.domains, "--domains") if args.domains is not None else list(
         QUICK_DOMAINS if args.quick else DEFAULT_DOMAINS)
     if not trained:
@@ -220,10 +250,123 @@ def validate(args: argparse.Namespace) -> tuple[list[str], DomainSet]:
     if bool(args.bootstrap) != bool(args.nats):
         raise BadInput("--bootstrap and --nats go together (or neither: the benchmark starts its own)")
     domains = DomainSet(trained, untrained, multi)
+    args.prior = prior
     check_configs(Plan(str(args.model_dir), args.seconds, Path("saved"), Path("work"), domains, args.engine_batch,
                        quick=args.quick, eval_every=args.eval_every, bootstrap="127.0.0.1:9092",
                        nats_url="nats://127.0.0.1:4222"), systems)
     return systems, domains
+
+
+# -- resuming: an earlier session's result, added to -----------------------------------------------
+
+RESUMED_SETTINGS = (("seconds", "--seconds", "seconds_budget"), ("eval_tasks", "--eval-tasks", "eval_tasks"),
+                    ("eval_samples", "--eval-samples", "eval_samples"), ("engine_batch", "--engine-batch", "engine_batch"))
+"""(argument, flag, JSON key): what the sessions of one result must share, taken from the file when not given."""
+
+
+@dataclasses.dataclass
+class Prior:
+    """An earlier session's ``--json``, as ``--resume`` reads it."""
+
+    path: str
+    data: dict[str, Any]
+    trained: list[str]
+    untrained: list[str]
+    scores: dict[str, Any]
+    """The evaluator's output: ``{"base" | run name: {domain: figures} | "error: ..."}``."""
+    runs: list[SystemResult]
+
+    def ok_runs(self, system: str) -> list[SystemResult]:
+        return [r for r in self.runs if r.extra.get("system") == system and r.status == "ok"]
+
+    def check_new_runs(self, systems: list[str], args: argparse.Namespace) -> None:
+        """BadInput when this session would run again a run the file holds with status ``ok``."""
+        done = {r.name for r in self.runs if r.status == "ok"}
+        for system in systems:
+            for seed in range(args.seeds if system in ENGINE_SYSTEMS else args.trl_seeds):
+                if f"{system}.s{seed}" in done:
+                    raise BadInput(f"--resume {self.path}: {system}.s{seed} is already there (status ok); "
+                                   f"leave {system} out of --systems")
+
+    @property
+    def sessions(self) -> list[dict[str, Any]]:
+        return list(self.data.get("sessions") or [])
+
+
+def result_from_json(name: str, d: dict[str, Any]) -> SystemResult:
+    """The :class:`SystemResult` a run's JSON (``SystemResult.to_json``) was written from."""
+    fields = {f.name for f in dataclasses.fields(SystemResult)} - {"name", "extra", "curve"}
+    r = SystemResult(name, **{k: d[k] for k in fields if k in d})
+    r.curve = [(float(t), float(v)) for t, v in d.get("curve") or []]
+    r.extra = {k: v for k, v in d.items() if k not in fields and k not in ("curve", "samples_per_s")}
+    return r
+
+
+def load_prior(path: str) -> Prior:
+    """``--resume``'s file, read and checked (BadInput naming what is wrong)."""
+    where = f"--resume {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise BadInput(f"{where}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{where}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("domains"), dict) or not isinstance(data.get("systems"), dict):
+        raise BadInput(f"{where}: not a multidomain.py result (no 'domains' and 'systems')")
+    scores = data.get("scores")
+    if not isinstance(scores, dict) or not isinstance(scores.get("base"), dict):
+        raise BadInput(f"{where}: holds no evaluator scores of the base model (written before --resume existed, "
+                       "or its evaluation failed); run it again")
+    missing = [k for _, _, k in RESUMED_SETTINGS if k not in data] + [k for k in ("model_dir", "quick") if k not in data]
+    if missing:
+        raise BadInput(f"{where}: lacks {', '.join(missing)}")
+    runs = [result_from_json(name, r) for fig in data["systems"].values() for name, r in (fig.get("runs") or {}).items()]
+    trained = [d for d, f in data["domains"].items() if f.get("trained")]
+    untrained = [d for d, f in data["domains"].items() if not f.get("trained")]
+    return Prior(path, data, trained, untrained, scores, runs)
+
+
+def adopt_settings(args: argparse.Namespace, prior: Prior) -> None:
+    """Fills the arguments not given from ``prior``; BadInput when one given differs (the sessions of one
+    result share their domains, budget, model and evaluator)."""
+    data, where = prior.data, f"--resume {prior.path}"
+    if bool(args.quick) != bool(data["quick"]):
+        raise BadInput(f"{where}: it is {'a' if data['quick'] else 'not a'} --quick result; this session must match")
+    if float(data.get("temperature", TEMPERATURE)) != TEMPERATURE:
+        raise BadInput(f"{where}: sampled at temperature {data['temperature']}, this script at {TEMPERATURE}")
+    for attr, flag, key in RESUMED_SETTINGS:
+        given, theirs = getattr(args, attr), data[key]
+        if given is None:
+            setattr(args, attr, theirs)
+        elif float(given) != float(theirs):
+            raise BadInput(f"{where}: {flag} {given:g} differs from the file's {theirs:g}")
+    for attr, flag, theirs in (("domains", "--domains", prior.trained), ("untrained", "--untrained", prior.untrained)):
+        given = getattr(args, attr)
+        if given is not None and set(_names(given, flag)) != set(theirs):
+            raise BadInput(f"{where}: {flag} {given!r} differs from the file's {','.join(theirs)!r}")
+        setattr(args, attr, ",".join(theirs))  # the file's order: the table's rows stay where they were
+    if not args.quick and str(Path(args.model_dir).resolve()) != str(data["model_dir"]):
+        raise BadInput(f"{where}: --model-dir {Path(args.model_dir).resolve()} differs from the file's {data['model_dir']}")
+
+
+def machine() -> dict[str, Any]:
+    """What the budget depends on: the CPU count and model (the sessions of one result belong on one class)."""
+    cpu = ""
+    try:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": cpu or platform.processor(), "platform": platform.platform()}
+
+
+def machine_differs(sessions: list[dict[str, Any]], here: dict[str, Any]) -> str | None:
+    """A warning when ``here`` is not the machine class of the first session, else None."""
+    first = (sessions[0].get("machine") if sessions else None) or {}
+    if not first:
+        return None
+    diffs = [f"{k} {first.get(k)!r} there, {here.get(k)!r} here" for k in ("cpus", "cpu") if first.get(k) != here.get(k)]
+    return "; ".join(diffs) or None
 
 
 # -- the generated engine config ---------------------------------------------------------------------
@@ -470,7 +613,7 @@ def run_trl(plan: Plan, system: str, seed: int) -> SystemResult:
     r = SystemResult(run_name, save_dir=str(plan.save_root / run_name))
     r.extra.update(system=system, seed=seed, domains=plan.domains.single_turn)
     if importlib.util.find_spec("trl") is None:
-        r.status, r.save_dir = "not installed", None
+        r.status, r.save_dir, r.error = "not installed", None, TRL_MISSING
         return r
     assert r.save_dir is not None
     run = run_child([sys.executable, "-m", "loadtests._trl_multidomain", plan.model_dir, f"{plan.seconds:g}",
@@ -481,7 +624,7 @@ def run_trl(plan: Plan, system: str, seed: int) -> SystemResult:
     apply_training_lines(r, run.lines, samples_per_step=64)
     finish(r, run)
     if run.returncode == 3:
-        r.status, r.error, r.save_dir = "not installed", None, None
+        r.status, r.error, r.save_dir = "not installed", TRL_MISSING, None
     return r
 
 
@@ -500,21 +643,24 @@ def run_system(plan: Plan, system: str, seed: int, say: Callable[[str], None]) -
     return r
 
 
-def evaluate(plan: Plan, runs: list[SystemResult], args: argparse.Namespace) -> dict[str, Any]:
-    """The one evaluator over the base model and every finished run's weights: ``{name: {domain: figures}}``
-    (``name`` "base" or a run's name; a string for a model it could not score)."""
+def evaluate(plan: Plan, runs: list[SystemResult], args: argparse.Namespace, *, base: bool = True) -> dict[str, Any]:
+    """The one evaluator over the base model (unless ``base`` is False: a resumed session keeps the file's
+    before-scores) and every finished run's weights: ``{name: {domain: figures}}`` (``name`` "base" or a run's
+    name; a string for a model it could not score; ``evaluation_error`` when the evaluator itself failed)."""
     scored = [r for r in runs if r.status == "ok" and r.save_dir and Path(r.save_dir).is_dir()]
+    if not base and not scored:
+        return {}
     out = plan.work / "heldout.json"
     run = run_child([sys.executable, "-m", "loadtests._multidomain_eval", "--domains", ",".join(plan.domains.evaluated),
                      "--tasks", str(args.eval_tasks), "--samples", str(args.eval_samples), "--temperature",
-                     f"{TEMPERATURE:g}", "--json", str(out), f"base={plan.model_dir}",
+                     f"{TEMPERATURE:g}", "--json", str(out), *([f"base={plan.model_dir}"] if base else []),
                      *(f"{r.name}={r.save_dir}" for r in scored)],
                     log_dir=plan.work / "logs", name="evaluate", stop_after=None, hard_limit=6 * 3600)
     if run.returncode != 0 or not out.exists():
         why = f"evaluation failed: {last_error_line(run.stderr_tail, run.returncode)}"
         for r in scored:
             r.error = why
-        return {"base": why}
+        return {"base": why} if base else {"evaluation_error": why}
     scores: dict[str, Any] = json.loads(out.read_text())
     for r in scored:
         s = scores.get(r.name)
@@ -607,7 +753,7 @@ def mean_gain_on(domains: dict[str, dict[str, Any]], system: str, names: list[st
 
 def summary(runs: list[SystemResult], scores: dict[str, Any], domain_set: DomainSet,
             baselines: dict[str, tuple[float, str]], *, args: argparse.Namespace, model_dir: str,
-            infra_seconds: float | None) -> dict[str, Any]:
+            infra_seconds: float | None, sessions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     domains = domain_figures(scores, runs, domain_set, baselines)
     systems: dict[str, Any] = {}
     for r in runs:
@@ -624,10 +770,13 @@ def summary(runs: list[SystemResult], scores: dict[str, Any], domain_set: Domain
     adaptive_shared = mean_gain_on(domains, HEADLINE, shared)
     static_shared = mean_gain_on(domains, "engine_static", domain_set.trained)
     trl_shared = mean_gain_on(domains, "trl", shared)
+    seeds = [len(systems[s]["runs"]) for s in ENGINE_SYSTEMS if s in systems]
     return {
-        "seconds_budget": args.seconds, "seeds": args.seeds, "trl_seeds": args.trl_seeds, "model_dir": model_dir,
+        "seconds_budget": args.seconds, "seeds": max(seeds) if seeds else args.seeds,
+        "trl_seeds": len(systems["trl"]["runs"]) if "trl" in systems else args.trl_seeds, "model_dir": model_dir,
         "quick": bool(args.quick), "temperature": TEMPERATURE, "eval_tasks": args.eval_tasks,
-        "eval_samples": args.eval_samples, "infra_seconds": _r(infra_seconds, 1),
+        "eval_samples": args.eval_samples, "engine_batch": getattr(args, "engine_batch", None),
+        "infra_seconds": _r(infra_seconds, 1),
         "domains_trained": len(domain_set.trained), "domains_untrained": len(domain_set.untrained),
         "engine_only_domains": domain_set.multi_turn,
         "mean_gain": head.get("mean_gain"), "worst_gain": head.get("worst_gain"),
@@ -636,7 +785,7 @@ def summary(runs: list[SystemResult], scores: dict[str, Any], domain_set: Domain
         if (adaptive_all := mean_gain_on(domains, HEADLINE, domain_set.trained)) is not None and static_shared is not None else None,
         "adaptive_minus_trl_mean_gain": _r(adaptive_shared - trl_shared)
         if adaptive_shared is not None and trl_shared is not None else None,
-        "systems": systems, "domains": domains,
+        "systems": systems, "domains": domains, "scores": scores, "sessions": sessions or [],
     }
 
 
@@ -741,9 +890,36 @@ def constant_baselines(names: list[str], n: int) -> dict[str, tuple[float, str]]
     return {d: constant_baseline(d, n, 0) for d in names}
 
 
+def combine(prior: Prior, runs: list[SystemResult], scores: dict[str, Any]) -> tuple[list[SystemResult], dict[str, Any]]:
+    """The file's runs and scores with this session's added: a run of the same name replaces the file's (only a
+    failed or "not installed" one gets here), runs in :data:`SYSTEMS` order then by seed; the before-scores are
+    the file's."""
+    new = {r.name for r in runs}
+    order = list(SYSTEMS)
+
+    def place(r: SystemResult) -> tuple[int, int]:
+        system = str(r.extra.get("system", r.name.split(".")[0]))
+        return (order.index(system) if system in order else len(order), int(r.extra.get("seed", 0)))
+
+    combined = sorted([r for r in prior.runs if r.name not in new] + runs, key=place)
+    merged = {k: v for k, v in prior.scores.items() if k not in new and k != "evaluation_error"}
+    merged.update({k: v for k, v in scores.items() if k != "base"})
+    return combined, merged
+
+
 def run(args: argparse.Namespace, systems: list[str], domains: DomainSet, *,
         say: Callable[[str], None] = print) -> dict[str, Any]:
+    prior: Prior | None = getattr(args, "prior", None)
     runs: list[SystemResult] = []
+    here = machine()
+    if prior is not None:
+        say(f"resuming {prior.path}: {len(prior.runs)} runs there ({', '.join(r.name for r in prior.runs) or 'none'}); "
+            f"this session runs {', '.join(systems)}")
+        if (differs := machine_differs(prior.sessions, here)) is not None:
+            say(f"warning: not the machine of the file's first session ({differs}); the budget is wall-clock")
+    if "trl" in systems and importlib.util.find_spec("trl") is None:
+        say(f"trl: {TRL_MISSING}; its row will say 'not installed'")
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="rollout-multidomain-") as tmp:
         work = Path(tmp)
         save_root = Path(args.save_dir).resolve() if args.save_dir else work / "saved"
@@ -769,18 +945,27 @@ def run(args: argparse.Namespace, systems: list[str], domains: DomainSet, *,
         if "trl" in systems:
             for seed in range(args.trl_seeds):
                 runs.append(run_system(plan, "trl", seed, say))
-        say("evaluating the base model and the saved weights")
-        scores = evaluate(plan, runs, args)
-        baselines = constant_baselines(domains.evaluated, 64)
-        out = summary(runs, scores, domains, baselines, args=args, model_dir="tiny" if args.quick else model_dir,
-                      infra_seconds=infra_seconds)
-        if isinstance(scores.get("base"), str):
-            out["evaluation_error"] = scores["base"]
+        if prior is None:
+            say("evaluating the base model and the saved weights")
+            scores = evaluate(plan, runs, args)
+            all_runs = runs
+        else:
+            say("evaluating this session's saved weights (the base model's scores are the file's)")
+            scores = evaluate(plan, runs, args, base=False)
+            all_runs, scores = combine(prior, runs, scores)
         if not args.save_dir:
-            for s in out["systems"].values():
-                for r in s["runs"].values():
-                    r["save_dir"] = None
-        png = Path(args.png) if args.png else (Path(args.json).with_suffix(".png") if args.json else None)
+            for r in runs:
+                r.save_dir = None
+        session = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "systems": systems,
+                   "runs": [r.name for r in runs], "machine": here, "infra_seconds": _r(infra_seconds, 1)}
+        baselines = constant_baselines(domains.evaluated, 64)
+        out = summary(all_runs, scores, domains, baselines, args=args, model_dir="tiny" if args.quick else model_dir,
+                      infra_seconds=infra_seconds, sessions=(prior.sessions if prior else []) + [session])
+        error = scores.get("evaluation_error") or scores.get("base")
+        if isinstance(error, str):
+            out["evaluation_error"] = error
+        target = args.json or args.resume
+        png = Path(args.png) if args.png else (Path(target).with_suffix(".png") if target else None)
         if png is not None:
             plot(out, png)
             out["png"] = str(png)
@@ -803,8 +988,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInput as exc:  # the stack: before any system ran
         print(f"multidomain.py: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    target = args.json or args.resume  # a resumed session writes the combined result back, unless told where
+    if target:
+        Path(target).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

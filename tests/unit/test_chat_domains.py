@@ -6,12 +6,16 @@ import io
 import random
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from domains import DOMAINS, score
 from engine.config import load_config
 from sandboxes.verifiers import extract_answer_by, verify_answer
+
+if TYPE_CHECKING:
+    from ops.demo import RealPlan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,11 +82,19 @@ def test_python_and_shell_ideals_score_full_format() -> None:
     assert DOMAINS["shell"].format_score(ideal) == 1.0
 
 
+def math_only_plan() -> "RealPlan":
+    """The demo's plan as it was for one domain (the math example and the learning benchmark train math alone;
+    the demo itself trains several: tests/unit/test_demo_plan.py)."""
+    from ops.demo import RealPlan
+
+    return RealPlan(train={"math": 1.0}, balance=None, loss_weighting="token_mean")
+
+
 def test_the_example_config_is_the_demos_engine_setup(tmp_path: Path) -> None:
-    from ops.demo import RealPlan, real_config
+    from ops.demo import real_config
 
     example = load_config(REPO / "deploy" / "examples" / "smollm2-math.toml")
-    ours = real_config("smollm2-math", example.kafka.bootstrap, example.nats.url, tmp_path, RealPlan())
+    ours = real_config("smollm2-math", example.kafka.bootstrap, example.nats.url, tmp_path, math_only_plan())
     for section in ("scheduler", "inference", "reward"):
         assert getattr(example, section) == getattr(ours, section), section
     skip = {"checkpoint_dir", "max_steps", "checkpoint_every"}
@@ -115,14 +127,14 @@ def test_the_learning_benchmark_runs_the_demos_engine_setup(tmp_path: Path) -> N
     import tomllib
 
     from loadtests import learning
-    from ops.demo import RealPlan, real_config
+    from ops.demo import real_config
 
     plan = learning.Plan(model_dir=str(tmp_path), seconds=60, save_root=tmp_path, work=tmp_path, minimal="x",
                          engine_batch=64, bootstrap="127.0.0.1:9092", nats_url="nats://127.0.0.1:4222")
     from engine.config import EngineConfig
 
     bench = EngineConfig.model_validate(tomllib.loads(learning.engine_config(plan, "ns", "math")))
-    ours = real_config("ns", "127.0.0.1:9092", "nats://127.0.0.1:4222", tmp_path, RealPlan())
+    ours = real_config("ns", "127.0.0.1:9092", "nats://127.0.0.1:4222", tmp_path, math_only_plan())
     assert bench.scheduler.model_dump(exclude={"seed"}) == ours.scheduler.model_dump(exclude={"seed"})
     keep = {"max_new_tokens", "temperature", "concurrency", "max_batch", "stream_interval"}
     assert bench.inference.model_dump(include=keep) == ours.inference.model_dump(include=keep)

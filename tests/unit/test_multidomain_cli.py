@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -266,3 +269,148 @@ def test_trl_rows_mix_the_domains_and_never_hold_a_heldout_prompt():
     assert not held & {r["prompt"][0]["content"] for r in rows}
     assert all(isinstance(json.loads(r["spec"]), dict) for r in rows)
     assert completion_budget(["math", "python"], 32) == 64 and completion_budget(["arith"], 32) == 32
+
+
+# -- --systems and --resume: the benchmark in several sessions ------------------------------------------
+
+@contextlib.contextmanager
+def no_stack(args, need):
+    yield None, None, None
+
+
+class FakeSessions:
+    """Every system's runner and the evaluator replaced: a run 'trains' each domain 16 samples and exports an
+    empty directory; the evaluator gives the base model ``base`` solved of 10 per domain and a run ``after``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, base: int = 2, after: int = 6) -> None:
+        self.ran: list[str] = []
+        self.evaluated: list[tuple[bool, list[str]]] = []
+        self.base, self.after = base, after
+        for system in md.SYSTEMS:
+            monkeypatch.setitem(md.RUNNERS, system, self.runner)
+        monkeypatch.setattr(md, "evaluate", self.evaluate)
+        monkeypatch.setattr(md, "stack", no_stack)
+
+    def runner(self, plan: md.Plan, system: str, seed: int) -> SystemResult:
+        name = f"{system}.s{seed}"
+        self.ran.append(name)
+        save = plan.save_root / name
+        save.mkdir(parents=True)
+        r = SystemResult(name, status="ok", steps=2, samples_trained=16 * len(plan.domains.trained), save_dir=str(save))
+        r.extra.update(system=system, seed=seed, domain_samples={d: 16 for d in plan.domains.trained})
+        return r
+
+    def evaluate(self, plan: md.Plan, runs: list[SystemResult], args: argparse.Namespace, *, base: bool = True) -> dict:
+        self.evaluated.append((base, [r.name for r in runs]))
+
+        def fig(s: int) -> dict:
+            return {d: {"solved": s, "episodes": 10, "accuracy": s / 10} for d in plan.domains.evaluated}
+
+        return {**({"base": fig(self.base)} if base else {}), **{r.name: fig(self.after) for r in runs}}
+
+
+def test_systems_runs_a_subset_and_only_is_the_same_flag(model_dir):
+    for flag in ("--systems", "--only"):
+        systems, _ = md.validate(md.parse_args(["--model-dir", str(model_dir), flag, "trl,engine_static"]))
+        assert systems == ["engine_static", "trl"]  # in the benchmark's order, whatever the flag's
+
+
+def test_resume_adds_a_session_to_the_file_and_keeps_its_before_scores(model_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "md.json"
+    first = FakeSessions(monkeypatch, base=2, after=6)
+    assert md.main(["--model-dir", str(model_dir), "--systems", "engine_adaptive", "--domains", "arith,math",
+                    "--untrained", "docqa", "--seconds", "30", "--eval-tasks", "5", "--json", str(out)]) == 0
+    assert first.ran == ["engine_adaptive.s0", "engine_adaptive.s1"] and first.evaluated[0][0] is True
+    one = json.loads(out.read_text())
+    assert list(one["systems"]) == ["engine_adaptive"] and one["scores"]["base"]["arith"]["solved"] == 2
+
+    second = FakeSessions(monkeypatch, base=9, after=3)  # a base score here would be wrong: the file's is kept
+    assert md.main(["--model-dir", str(model_dir), "--systems", "engine_static", "--resume", str(out)]) == 0
+    assert second.ran == ["engine_static.s0", "engine_static.s1"]
+    assert second.evaluated == [(False, ["engine_static.s0", "engine_static.s1"])]  # only this session's weights
+    both = json.loads(out.read_text())  # written back into the file
+    assert list(both["systems"]) == ["engine_adaptive", "engine_static"]
+    assert (both["seconds_budget"], both["eval_tasks"], both["seeds"]) == (30, 5, 2)  # the file's settings
+    arith = both["domains"]["arith"]
+    assert arith["before"] == 0.2 and arith["systems"]["engine_adaptive"]["after"] == 0.6
+    assert arith["systems"]["engine_static"]["after"] == 0.3 and arith["systems"]["engine_static"]["gain"] == 0.1
+    assert both["domains"]["docqa"]["trained"] is False and list(both["domains"]) == ["arith", "math", "docqa"]
+    assert both["adaptive_minus_static_mean_gain"] == 0.3 and both["mean_gain"] == 0.4
+    assert [s["systems"] for s in both["sessions"]] == [["engine_adaptive"], ["engine_static"]]
+    assert both["sessions"][1]["machine"]["cpus"] == os.cpu_count()
+    assert "resuming" in capsys.readouterr().out
+
+    third = FakeSessions(monkeypatch)  # without --systems: what the file has no successful run of
+    combined = tmp_path / "all.json"
+    assert md.main(["--model-dir", str(model_dir), "--resume", str(out), "--json", str(combined)]) == 0
+    assert third.ran == ["trl.s0"] and list(json.loads(combined.read_text())["systems"]) == list(md.SYSTEMS)
+    assert list(json.loads(out.read_text())["systems"]) == ["engine_adaptive", "engine_static"]  # --json elsewhere
+
+
+def test_resume_replaces_a_failed_run_but_refuses_a_successful_one(model_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "md.json"
+    fake = FakeSessions(monkeypatch)
+    monkeypatch.setitem(md.RUNNERS, "trl", lambda plan, system, seed: SystemResult(
+        f"trl.s{seed}", status="not installed", error=md.TRL_MISSING, extra={"system": "trl", "seed": seed}))
+    assert md.main(["--model-dir", str(model_dir), "--systems", "engine_adaptive,trl", "--seeds", "1",
+                    "--domains", "arith", "--untrained", "", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["systems"]["trl"]["status"] == "not installed"
+    fake = FakeSessions(monkeypatch)
+    assert md.main(["--model-dir", str(model_dir), "--systems", "trl", "--resume", str(out)]) == 0
+    assert fake.ran == ["trl.s0"]
+    result = json.loads(out.read_text())
+    assert result["systems"]["trl"]["status"] == "ok" and list(result["systems"]["trl"]["runs"]) == ["trl.s0"]
+    assert result["domains"]["arith"]["systems"]["trl"]["after"] == 0.6
+    line = bad_input(["--model-dir", str(model_dir), "--systems", "engine_adaptive", "--seeds", "1", "--resume", str(out)],
+                     monkeypatch, capsys)
+    assert "engine_adaptive.s0 is already there" in line
+    line = bad_input(["--model-dir", str(model_dir), "--systems", "engine_adaptive,trl", "--resume", str(out)],
+                     monkeypatch, capsys)
+    assert "already there" in line
+    default = md.parse_args(["--model-dir", str(model_dir), "--seeds", "1", "--resume", str(out)])
+    assert md.validate(default)[0] == ["engine_static"]  # without --systems: the one the file has no run of
+
+
+def test_resume_refuses_a_file_or_settings_that_do_not_match(model_dir, tmp_path, monkeypatch, capsys):
+    real_run = md.run
+    out = tmp_path / "md.json"
+    FakeSessions(monkeypatch)
+    assert md.main(["--model-dir", str(model_dir), "--systems", "engine_adaptive", "--domains", "arith,math",
+                    "--untrained", "", "--seconds", "30", "--json", str(out)]) == 0
+    base = ["--model-dir", str(model_dir), "--systems", "engine_static", "--resume", str(out)]
+    assert "--seconds 60 differs from the file's 30" in bad_input(base + ["--seconds", "60"], monkeypatch, capsys)
+    assert "--eval-samples 2 differs" in bad_input(base + ["--eval-samples", "2"], monkeypatch, capsys)
+    assert "--domains 'arith' differs" in bad_input(base + ["--domains", "arith"], monkeypatch, capsys)
+    assert "--quick" in bad_input(base + ["--quick"], monkeypatch, capsys)
+    other = tmp_path / "other-model"
+    shutil.copytree(model_dir, other)
+    assert "--model-dir" in bad_input(["--model-dir", str(other), "--systems", "engine_static", "--resume", str(out)],
+                                      monkeypatch, capsys)
+    assert md.validate(md.parse_args(base + ["--domains", "math,arith", "--seconds", "30"]))[1].trained == ["arith", "math"]
+    assert "cannot read it" in bad_input(base[:-1] + [str(tmp_path / "absent.json")], monkeypatch, capsys)
+    (tmp_path / "garbage.json").write_text("{")
+    assert "not JSON" in bad_input(base[:-1] + [str(tmp_path / "garbage.json")], monkeypatch, capsys)
+    old = json.loads(out.read_text())
+    del old["scores"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert "holds no evaluator scores" in bad_input(base[:-1] + [str(tmp_path / "old.json")], monkeypatch, capsys)
+    monkeypatch.setattr(md, "run", real_run)  # bad_input replaced it
+    FakeSessions(monkeypatch)
+    assert md.main(["--model-dir", str(model_dir), "--resume", str(out)]) == 0  # engine_static and trl
+    assert "every system already has a successful run" in bad_input(["--model-dir", str(model_dir), "--resume", str(out)],
+                                                                    monkeypatch, capsys)
+
+
+def test_a_run_survives_the_json_round_trip():
+    r = SystemResult("engine_static.s1", status="ok", steps=3, samples_trained=96, seconds=12.0, save_dir=None,
+                     curve=[(1.0, 0.25)], extra={"system": "engine_static", "seed": 1, "domain_samples": {"a": 96}})
+    back = md.result_from_json(r.name, json.loads(json.dumps(r.to_json())))
+    assert back == r
+
+
+def test_without_trl_its_row_says_not_installed_and_how_to_add_it(tmp_path, monkeypatch):
+    real = md.importlib.util.find_spec
+    monkeypatch.setattr(md.importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    r = md.run_trl(plan(tmp_path, ["arith"]), "trl", 0)
+    assert r.status == "not installed" and r.save_dir is None
+    assert "peers" in r.error and "--resume" in r.error
