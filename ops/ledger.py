@@ -199,10 +199,6 @@ class LedgerReport:
         return self.expected - self.completions.ids
 
     @property
-    def missing_outcome(self) -> set[str]:
-        return self.expected - self.outcomes.ids
-
-    @property
     def missing_experience(self) -> set[str]:
         return self.expected - self.experience.ids
 

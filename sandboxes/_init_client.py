@@ -12,10 +12,27 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sandboxes import _aio
-from sandboxes.base import OutputCap
+from sandboxes.base import SANDBOX_ENV, WORKDIR, OutputCap, normalize_path
 
 KILL_GRACE_S = 2.0
 """How long to wait for pipes to close after a kill before giving up on the output."""
+
+
+def request(seq: int, argv: list[str], env: dict[str, str] | None, cwd: str | None, stdin: bool,
+            rlimits: dict[str, int], **extra: Any) -> bytes:
+    """One exec request to the init: ``argv`` run in ``cwd`` (default /work) with ``env`` added to
+    :data:`SANDBOX_ENV`, under ``rlimits``; ``extra`` fields are the backend's own (docker's ``user``)."""
+    if not argv:
+        raise ValueError("empty command")
+    return json.dumps({
+        "seq": seq,
+        "argv": argv,
+        "env": {**SANDBOX_ENV, **(env or {})},
+        "cwd": normalize_path(cwd) if cwd else WORKDIR,
+        "stdin": stdin,
+        "rlimits": rlimits,
+        **extra,
+    }).encode()
 
 
 async def reply(control: socket.socket, seq: int) -> dict[str, Any] | None:

@@ -415,18 +415,10 @@ class BwrapSandbox(Sandbox):
 
     def _request(self, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, stdin: bool) -> bytes:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv:
-            raise ValueError("empty command")
         lim = self.limits
         self._seq += 1
-        return json.dumps({
-            "seq": self._seq,
-            "argv": argv,
-            "env": {**SANDBOX_ENV, **(env or {})},
-            "cwd": normalize_path(cwd) if cwd else WORKDIR,
-            "stdin": stdin,
-            "rlimits": {"nofile": lim.nofile, "fsize": lim.fsize_mb * 1024 * 1024, "core": 0, "nproc": lim.pids},
-        }).encode()
+        return _init_client.request(self._seq, argv, env, cwd, stdin, {
+            "nofile": lim.nofile, "fsize": lim.fsize_mb * 1024 * 1024, "core": 0, "nproc": lim.pids})
 
     async def exec(
         self,

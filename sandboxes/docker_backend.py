@@ -268,21 +268,12 @@ class DockerSandbox(Sandbox):
 
     def _request(self, argv: list[str], env: dict[str, str] | None, cwd: str | None, stdin: bool,
                  user: tuple[int, int]) -> bytes:
-        if not argv:
-            raise ValueError("empty command")
         lim = self.limits
         self._seq += 1
         # no RLIMIT_NPROC: it counts uid 65534's processes across every container of the host; the
         # container's pids limit bounds each sandbox instead.
-        return json.dumps({
-            "seq": self._seq,
-            "argv": argv,
-            "env": {**SANDBOX_ENV, **(env or {})},
-            "cwd": normalize_path(cwd) if cwd else WORKDIR,
-            "stdin": stdin,
-            "rlimits": {"nofile": lim.nofile, "fsize": lim.fsize_mb << 20, "core": 0},
-            "user": list(user),
-        }).encode()
+        return _init_client.request(self._seq, argv, env, cwd, stdin,
+                                    {"nofile": lim.nofile, "fsize": lim.fsize_mb << 20, "core": 0}, user=list(user))
 
     async def exec(
         self,

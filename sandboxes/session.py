@@ -69,5 +69,3 @@ class SandboxSession:
                 env[key] = value
         self.env = env
 
-    def reset_state(self) -> None:
-        self.cwd, self.env, self.steps = WORKDIR, {}, 0
