@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import time
-import traceback
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -33,7 +32,7 @@ import anyio
 from opentelemetry.trace import Span, SpanKind
 
 from actors import tracing
-from engine.actor import Actor
+from engine.actor import Actor, describe_error
 from engine.config import EngineConfig, check_files
 from engine.schemas import Message
 from engine.topics import TOPIC_SUFFIXES, Names
@@ -252,10 +251,10 @@ class StreamActor(Actor):
                 self._deferred.discard(id(record))
                 self.handler_errors += 1
                 log.warning("%s: record %s[%d]@%d failed: %s", self.name, record.topic, record.partition,
-                            record.offset, exc)
+                            record.offset, describe_error(exc))
+                log.debug("%s: the handler's traceback", self.name, exc_info=exc)
                 try:
-                    await record.dead_letter("handler_error", "".join(
-                        traceback.format_exception_only(type(exc), exc)).strip())
+                    await record.dead_letter("handler_error", describe_error(exc))
                 except self.infra_errors as dlq_exc:
                     crash.append(dlq_exc)
                 return

@@ -242,6 +242,22 @@ class Supervisor:
             return
 
 
+def describe_error(exc: BaseException) -> str:
+    """One line naming what went wrong: ``Type: message``, and for an exception group (a task group's
+    failure) its leaf exceptions instead of the group's "unhandled errors in a TaskGroup"."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    return "; ".join(f"{type(e).__name__}: {e}".rstrip(": ") for e in leaves)
+
+
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     exc: BaseException = group
     while isinstance(exc, BaseExceptionGroup):

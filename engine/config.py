@@ -259,8 +259,10 @@ class InferenceConfig(Section):
     this and `api_key`. Read when the inference role starts."""
     max_new_tokens: int = Field(64, ge=1)
     """Default generation length when the task does not say."""
-    temperature: float = Field(1.0, ge=0)
-    """Default sampling temperature."""
+    temperature: float = Field(1.0, gt=0)
+    """Default sampling temperature of the training samples; > 0, since the learner scores their tokens at
+    ``logits / temperature`` as the server sampled them. Greedy decoding for a task: ``top_k = 1`` in its
+    ``sampling`` (the reported logprobs are then of ``softmax(logits / temperature)``)."""
     concurrency: int = Field(32, ge=1)
     """Generations in flight per actor."""
     request_timeout_s: float = Field(120.0, gt=0)

@@ -17,7 +17,11 @@ Everything here is built locally and deterministically (nothing is downloaded):
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +36,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from modelserver.model_dir import check_model_dir
+from modelserver.model_dir import ModelDirError, check_model_dir
+
+log = logging.getLogger(__name__)
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -44,10 +50,45 @@ __all__ = [
     "build_char_tokenizer",
     "build_tiny_model",
     "load_model_dir",
+    "model_construction",
     "save_model_dir",
     "tiny_config",
     "write_tiny_model_dir",
 ]
+
+
+_CONSTRUCTION = threading.RLock()
+_TIE_WEIGHTS = PreTrainedModel.tie_weights
+
+
+@contextmanager
+def model_construction() -> Iterator[None]:
+    """Hold while building or loading a model: one at a time in this process, weight tying intact.
+
+    transformers 5 turns weight tying off during ``from_pretrained`` by replacing ``PreTrainedModel.tie_weights``
+    on the class and putting back, afterwards, whatever it found there. Two loads in two threads (the local
+    server's and the learner's, in one process) interleave: the second finds the first's no-op and puts that
+    back, and from then on every load in the process leaves a tied ``lm_head`` as uninitialised memory (NaN or
+    uniform logits, SmolLM2 included). Every load in this package holds this lock; a load elsewhere that broke
+    the class is repaired here, with a warning.
+    """
+    with _CONSTRUCTION:
+        if PreTrainedModel.tie_weights is not _TIE_WEIGHTS:
+            log.warning("PreTrainedModel.tie_weights was left replaced (a concurrent from_pretrained outside "
+                        "modelserver.llm.model_construction); restoring it")
+            PreTrainedModel.tie_weights = _TIE_WEIGHTS  # type: ignore[method-assign]
+        yield
+
+
+def check_tied(model: PreTrainedModel, where: str | os.PathLike[str]) -> None:
+    """Raise :class:`ModelDirError` if ``model``'s config ties its output head to its embedding but the two are
+    different tensors (a load that did not tie: the head would be uninitialised memory)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and embed is not None and head.weight.data_ptr() != embed.weight.data_ptr():
+        raise ModelDirError(where, "the config ties the output head to the embedding, but the loaded model "
+                                   "holds them apart (weight tying was off while it loaded)")
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -109,11 +150,12 @@ def build_tiny_model(config: LlamaConfig, *, seed: int = 0) -> PreTrainedModel:
 
     The global torch RNG is left as it was (initialisation runs inside ``torch.random.fork_rng``).
     """
-    with torch.random.fork_rng(devices=[]):
+    with model_construction(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=config._attn_implementation or "sdpa", dtype=torch.float32
         )
+    check_tied(model, "build_tiny_model")
     model.eval()
     return model
 
@@ -135,9 +177,11 @@ def load_model_dir(
     Raises :class:`modelserver.model_dir.ModelDirError` (naming the file) for a directory that cannot load.
     """
     check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
-    )
+    with model_construction():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
+        )
+    check_tied(model, path)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model, tokenizer

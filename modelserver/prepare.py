@@ -247,8 +247,11 @@ def convert_gguf(gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[s
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from modelserver.llm import check_tied, model_construction
+
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    with model_construction():
+        loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     if type(loaded).__name__ != GGUF_ARCHITECTURES[arch]:
         raise ModelDirError(src, f"transformers loaded it as {type(loaded).__name__}, expected {GGUF_ARCHITECTURES[arch]}")
     config = loaded.config
@@ -257,9 +260,11 @@ def convert_gguf(gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[s
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
-    fresh = type(loaded)(config)
+    with model_construction():
+        fresh = type(loaded)(config)
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=True)
     assert not missing and not unexpected
+    check_tied(fresh, src)
     fresh.generation_config = loaded.generation_config
     fresh.eval()
     del loaded

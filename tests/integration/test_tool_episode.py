@@ -6,7 +6,7 @@ Between the actor and the server sits a recording pass-through proxy (real HTTP 
 ``/generate`` request and the bytes of its answer, so "what the server sampled" is what went over the wire,
 not what the actor says it received.
 
-The prompt asks the model to repeat a ``run_tests`` call (greedy; the untrained 135M model copies it and then
+The prompt asks the model to repeat a ``run_tests`` call (greedy: top_k = 1; the untrained 135M model copies it and then
 keeps calling tools), so the episode's first step runs the visible tests, whose output (a long log line
 first, over 1,000 characters) comes back as a ``tool`` turn, whole.
 
@@ -133,9 +133,9 @@ async def test_a_three_turn_tool_episode_trains_on_exactly_the_tokens_the_server
     cfg = EngineConfig(namespace=unique_name, kafka=KafkaConfig(bootstrap=kafka_bootstrap, default_partitions=1),
                        sandbox=SandboxConfig(backend="bwrap", pool_size=1, max_sandboxes=2, memory_mb=256, pids=64,
                                              timeout_s=20),
-                       inference=InferenceConfig(concurrency=1, temperature=0.0, stream_interval=8))
+                       inference=InferenceConfig(concurrency=1, stream_interval=8))
     task = Task(task_id="repo-tools-0", domain="repo", prompt=PROMPT, spec=_spec(), group_size=1,
-                sampling={"max_new_tokens": 48, "temperature": 0.0}, max_turns=TURNS, tools=list(DOMAINS["repo"].tools))
+                sampling={"max_new_tokens": 48, "temperature": 1.0, "top_k": 1}, max_turns=TURNS, tools=list(DOMAINS["repo"].tools))
     recorder = Recorder("")
     async with (LocalServer(real_model_dir, log_path=tmp_path / "server.log", max_batch=2) as upstream,
                 Runtime(cfg, use_nats=False) as rt, SandboxResources(cfg.sandbox) as resources):

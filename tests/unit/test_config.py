@@ -82,3 +82,10 @@ def test_off_policy_preset_and_band_errors_name_the_field(tmp_path):
     f.write_text('[learner]\nstaleness_policy = "keep"\n')
     with pytest.raises(ConfigError, match=r"learner\.staleness_policy"):
         load_config(f, environ={})
+
+
+@pytest.mark.parametrize("value", [0, -0.5])
+def test_a_greedy_or_negative_default_temperature_is_refused_at_start_up(value: float) -> None:
+    """Training samples are scored at logits / temperature: greedy is a task's ``top_k = 1``, not T = 0."""
+    with pytest.raises(ConfigError, match="inference.temperature"):
+        load_config(overrides={"inference": {"temperature": value}})
