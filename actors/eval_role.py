@@ -158,8 +158,8 @@ class EvalActor(Actor):
 
     async def setup(self) -> None:
         self._tasks = eval_tasks(self.cfg, self.rt.cfg.trained_domains())
-        if self.rt.nats is not None:
-            saved = await self.rt.nats.kv_get(self.rt.kv_bucket, EVAL_STATUS_KEY)
+        if self.rt.control is not None:
+            saved = await self.rt.control.kv_get(self.rt.kv_bucket, EVAL_STATUS_KEY)
             if saved:
                 try:
                     self.watch.restore(json.loads(saved))
@@ -211,8 +211,8 @@ class EvalActor(Actor):
             self.latest[domain] = {"accuracy": report.completion_rate, "version": version,
                                    "ci95": list(report.completion_ci95), "pass_at_k": report.pass_at_k,
                                    "best": self.watch.best[domain][0], "regressed": regressed}
-        if self.rt.nats is not None:
-            await self.rt.nats.kv_put(self.rt.kv_bucket, EVAL_STATUS_KEY, json.dumps(self.watch.status()).encode())
+        if self.rt.control is not None:
+            await self.rt.control.kv_put(self.rt.kv_bucket, EVAL_STATUS_KEY, json.dumps(self.watch.status()).encode())
         self.last_version = version
         self.evaluations += 1
         log.info("%s: v%d evaluated in %.1f s: %s", self.name, version, elapsed,

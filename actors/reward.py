@@ -425,7 +425,7 @@ class RewardActor(StreamActor):
                      self.cfg.group_timeout_s)
             await self._flush(task_id, timed_out=True)
         now = time.monotonic()
-        if self.rt.nats is not None and now - self._last_stats_put >= self.stats_interval_s:
+        if self.rt.control is not None and now - self._last_stats_put >= self.stats_interval_s:
             self._last_stats_put = now
             await self.put_stats()
 

@@ -329,10 +329,16 @@ class PublishedTask(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenChunk(Message):
-    """rollout.tokens, key sample_id: new tokens of one generation, in order (``seq`` counts chunks)."""
+    """rollout.tokens, key sample_id: new tokens of one generation, in order (``seq`` counts chunks).
+
+    The chunks of a sample, ``seq`` 0, 1, ..., concatenated, are its model tokens so far: an inference actor
+    that takes over a task whose generation was cut off (its actor died) continues from them, numbering its
+    own chunks on (:mod:`actors.inference.resume`). ``done`` marks the last chunk of a finished generation.
+    """
 
     SCHEMA: ClassVar[str] = "token_chunk"
     VERSION: ClassVar[int] = 1
+    OMIT_WHEN_EMPTY: ClassVar[frozenset[str]] = frozenset({"weight_versions", "finish_reason"})
 
     sample_id: str
     task_id: str
@@ -341,10 +347,21 @@ class TokenChunk(Message):
     logprobs: LogprobArray
     weight_version: int
     done: bool = False
+    weight_versions: TokenArray | None = None
+    """Each token's policy version, when they differ within the chunk (else all are ``weight_version``)."""
+    finish_reason: str = ""
+    """On the ``done`` chunk: why the generation ended (``stop``, ``length``)."""
 
     def _check(self) -> None:
         _nonneg(self.SCHEMA, seq=self.seq)
-        _same_length(self.SCHEMA, token_ids=self.token_ids, logprobs=self.logprobs)
+        _same_length(self.SCHEMA, token_ids=self.token_ids, logprobs=self.logprobs,
+                     weight_versions=self.weight_versions)
+
+    def versions(self) -> list[int]:
+        """Each token's policy version."""
+        if self.weight_versions is not None:
+            return [int(v) for v in self.weight_versions]
+        return [self.weight_version] * len(self.token_ids)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

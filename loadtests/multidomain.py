@@ -33,7 +33,8 @@ and ``domains``: per domain its constant-answer baseline, before, after and gain
 over time).
 
     python -m loadtests.multidomain [--seconds 1800] [--seeds 2] [--domains a,b,rg:c] [--untrained x]
-        [--systems engine_adaptive,engine_static,trl] [--resume out.json] [--model-dir DIR] [--json out.json]
+        [--systems engine_adaptive,engine_static,trl] [--resume out.json] [--first-seed N] [--model-dir DIR]
+        [--json out.json]
         [--png out.png] [--eval-tasks 32] [--eval-samples 4] [--quick]
 
 The whole default run (2 x 2 engine runs and TRL, 30 minutes each, then the evaluation) is longer than one
@@ -43,7 +44,8 @@ resumed session takes the earlier session's domains, budget, model and evaluator
 be equal), reuses its base-model ("before") scores and scores only its own runs' weights with the same evaluator,
 so the combined JSON is what one long session would have written. Without ``--systems`` it runs the systems the
 file has no successful run of. A run already in the file with status ``ok`` is refused; a failed or
-"not installed" one is replaced. The file records each session's machine (a different CPU count or model
+"not installed" one is replaced. ``--first-seed N`` numbers this session's engine runs from seed N, so a
+session can add a second seed of a system the file already holds one of. The file records each session's machine (a different CPU count or model
 is warned about: the budget is wall-clock, so the sessions belong on one machine class).
 
 ``--quick`` checks the script: the tiny char model, the char domains (arith, code, terminal), a short budget,
@@ -121,6 +123,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, help=f"wall-clock budget per system run (default {DEFAULT_SECONDS:.0f}; "
                                                  f"{QUICK_SECONDS:.0f} with --quick)")
     p.add_argument("--seeds", type=int, help=f"runs of each engine system (default {DEFAULT_SEEDS}; 1 with --quick)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the engine systems' seeds are FIRST..FIRST+seeds-1 (default 0): a later session adds a seed "
+                        "with --resume FILE --first-seed 1 --seeds 1")
     p.add_argument("--trl-seeds", type=int, default=1, help="runs of TRL (default 1)")
     p.add_argument("--domains", help="comma-separated domains trained at once (default: "
                                      f"{','.join(DEFAULT_DOMAINS)}; --quick: {','.join(QUICK_DOMAINS)})")
@@ -163,6 +168,11 @@ class DomainSet:
     @property
     def single_turn(self) -> list[str]:
         return [d for d in self.trained if d not in self.multi_turn]
+
+
+def engine_seeds(args: argparse.Namespace) -> range:
+    """The seeds of this session's engine runs: ``--first-seed`` on, ``--seeds`` of them."""
+    return range(args.first_seed, args.first_seed + args.seeds)
 
 
 def _names(text: str, flag: str) -> list[str]:
@@ -213,6 +223,8 @@ def validate(args: argparse.Namespace) -> tuple[list[str], DomainSet]:
                         ("--eval-samples", args.eval_samples), ("--engine-batch", args.engine_batch)):
         if value < 1:
             raise BadInput(f"{flag} must be >= 1, got {value}")
+    if args.first_seed < 0:
+        raise BadInput(f"--first-seed must be >= 0, got {args.first_seed}")
     if args.eval_every < 0:
         raise BadInput(f"--eval-every must be >= 0, got {args.eval_every}")
     if not args.status_every > 0:
@@ -283,10 +295,10 @@ class Prior:
         """BadInput when this session would run again a run the file holds with status ``ok``."""
         done = {r.name for r in self.runs if r.status == "ok"}
         for system in systems:
-            for seed in range(args.seeds if system in ENGINE_SYSTEMS else args.trl_seeds):
+            for seed in engine_seeds(args) if system in ENGINE_SYSTEMS else range(args.trl_seeds):
                 if f"{system}.s{seed}" in done:
                     raise BadInput(f"--resume {self.path}: {system}.s{seed} is already there (status ok); "
-                                   f"leave {system} out of --systems")
+                                   f"leave {system} out of --systems, or add other seeds with --first-seed")
 
     @property
     def sessions(self) -> list[dict[str, Any]]:
@@ -939,7 +951,7 @@ def run(args: argparse.Namespace, systems: list[str], domains: DomainSet, *,
         with stack(args, bool(engine)) as (plan.bootstrap, plan.nats_url, infra_seconds):
             if infra_seconds is not None:
                 say(f"Kafka and NATS up in {infra_seconds:.1f}s (not counted)")
-            for seed in range(args.seeds):  # seeds interleaved: a machine that slows down costs both systems alike
+            for seed in engine_seeds(args):  # seeds interleaved: a machine that slows down costs both systems alike
                 for system in engine:
                     runs.append(run_system(plan, system, seed, say))
         if "trl" in systems:

@@ -85,8 +85,9 @@ def check_tied(model: PreTrainedModel, where: str | os.PathLike[str]) -> None:
     different tensors (a load that did not tie: the head would be uninitialised memory)."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and embed is not None and head.weight.data_ptr() != embed.weight.data_ptr():
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    embed = getattr(model.get_input_embeddings(), "weight", None)
+    if isinstance(head, torch.Tensor) and isinstance(embed, torch.Tensor) and head.data_ptr() != embed.data_ptr():
         raise ModelDirError(where, "the config ties the output head to the embedding, but the loaded model "
                                    "holds them apart (weight tying was off while it loaded)")
 

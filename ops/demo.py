@@ -291,8 +291,8 @@ async def rl_run(cfg: EngineConfig, run_dir: Path, plan: "DemoPlan | RealPlan", 
                     break
             progress.close()
             deployment.drain()
-        assert deployment.rt.nats is not None
-        return await fetch_final_weights(deployment.rt.nats, deployment.rt.names, run_dir, deployment.model_dir)
+        assert deployment.rt.control is not None
+        return await fetch_final_weights(deployment.rt.control, deployment.rt.names, run_dir, deployment.model_dir)
 
 
 class Progress:

@@ -255,7 +255,7 @@ class Deployment:
     async def run(self) -> None:
         """Run every role until drained or done; raises SupervisorGaveUp if a role keeps crashing."""
         async with anyio.create_task_group() as tg:
-            if self.rt.nats is not None:
+            if self.rt.control is not None:
                 tg.start_soon(self.heartbeater.run)
             tg.start_soon(self.recorder.run)
             await self.supervisor.run()

@@ -139,7 +139,7 @@ class Heartbeater:
 
     async def beat(self) -> int:
         """Publish one heartbeat per actor now; returns how many were published."""
-        store = self.rt.nats
+        store = self.rt.control
         nc = store.nc if isinstance(store, CoreNats) else None
         if nc is None:
             raise RuntimeError("heartbeats need the runtime's NATS connection (core NATS publish)")

@@ -639,9 +639,12 @@ __all__ = ["HEADER_MESSAGE_ID", "HEADER_TRACEPARENT", "Consumer", "DeadLetterSin
 
 
 def read_range(cfg: KafkaConfig, topic: str, start_offsets: dict[int, int] | None = None, *,
-               timeout_s: float = 60.0, client_id: str = "rollout-reader") -> Iterable[tuple[int, int, Envelope | DecodeError]]:
+               since_ms: int | None = None, timeout_s: float = 60.0,
+               client_id: str = "rollout-reader") -> Iterable[tuple[int, int, Envelope | DecodeError]]:
     """Every record of ``topic`` from ``start_offsets`` (partition -> offset; 0 where absent) up to the end
-    offsets at call time, as ``(partition, offset, envelope or DecodeError)``. Blocking: call it in a thread.
+    offsets at call time, as ``(partition, offset, envelope or DecodeError)``. With ``since_ms`` (ms since
+    the epoch) each partition starts no earlier than its first record timestamped at or after it (the
+    broker's time index: ``offsets_for_times``). Blocking: call it in a thread.
 
     No consumer group: reading commits nothing and disturbs no one. TimeoutError when a partition is not
     read to its end within ``timeout_s``.
@@ -659,7 +662,11 @@ def read_range(cfg: KafkaConfig, topic: str, start_offsets: dict[int, int] | Non
             return
         consumer.assign(tps)
         ends = consumer.end_offsets(tps)
-        starts = start_offsets or {}
+        starts = dict(start_offsets or {})
+        if since_ms is not None:
+            for tp, found in consumer.offsets_for_times({tp: max(0, since_ms) for tp in tps}).items():
+                at = found.offset if found is not None else ends[tp]  # None: no record that recent
+                starts[tp.partition] = max(starts.get(tp.partition, 0), at)
         for tp in tps:
             consumer.seek(tp, min(max(0, starts.get(tp.partition, 0)), ends[tp]))
         todo = {tp for tp in tps if ends[tp] > consumer.position(tp)}

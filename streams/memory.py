@@ -116,11 +116,14 @@ class MemoryEventLog:
         with anyio.move_on_after(timeout_s):
             await self._appended.wait()
 
-    async def read_since(self, topic: str, start_offsets: dict[int, int], *,
-                         expect: tuple[str, ...]) -> list[tuple[int, int, Message]]:
+    async def read_since(self, topic: str, start_offsets: dict[int, int], *, expect: tuple[str, ...],
+                         since_ms: int | None = None) -> list[tuple[int, int, Message]]:
         out = []
         for partition, records in enumerate(self.topics.get(topic, [])):
-            for offset in range(max(0, start_offsets.get(partition, 0)), len(records)):
+            start = max(0, start_offsets.get(partition, 0))
+            if since_ms is not None:  # as Kafka's offsets_for_times: the first record at or after since_ms
+                start = max(start, next((o for o, r in enumerate(records) if r.timestamp_ms >= since_ms), len(records)))
+            for offset in range(start, len(records)):
                 try:
                     env = decode(records[offset].value, max_bytes=self.max_record_bytes, expect=expect)
                 except DecodeError:

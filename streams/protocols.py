@@ -143,11 +143,12 @@ class EventLog(Protocol):
         ``partitions``: give one of the two. See :class:`AssignedConsumer` for where each partition starts."""
         ...
 
-    async def read_since(self, topic: str, start_offsets: dict[int, int], *,
-                         expect: tuple[str, ...]) -> list[tuple[int, int, Message]]:
+    async def read_since(self, topic: str, start_offsets: dict[int, int], *, expect: tuple[str, ...],
+                         since_ms: int | None = None) -> list[tuple[int, int, Message]]:
         """``(partition, offset, message)`` of every record of ``topic`` from ``start_offsets`` (partition ->
         offset, 0 where absent) to the end at call time; records that do not decode as ``expect`` are skipped.
-        No consumer group: reading commits nothing."""
+        With ``since_ms``, each partition starts no earlier than its first record timestamped at or after it
+        (milliseconds since the epoch; the log's index, not a scan). No consumer group: reading commits nothing."""
         ...
 
 

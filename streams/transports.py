@@ -61,10 +61,10 @@ class KafkaEventLog:
                         dead_letters=None if dead_letters is None else _kafka_producer(dead_letters),
                         dlq_topic=dlq_topic, client_id=client_id)
 
-    async def read_since(self, topic: str, start_offsets: dict[int, int], *,
-                         expect: tuple[str, ...]) -> list[tuple[int, int, Message]]:
+    async def read_since(self, topic: str, start_offsets: dict[int, int], *, expect: tuple[str, ...],
+                         since_ms: int | None = None) -> list[tuple[int, int, Message]]:
         def read() -> list[tuple[int, int, Message]]:
-            return [(p, o, env.message) for p, o, env in read_range(self.cfg, topic, start_offsets)
+            return [(p, o, env.message) for p, o, env in read_range(self.cfg, topic, start_offsets, since_ms=since_ms)
                     if not isinstance(env, DecodeError) and env.message.SCHEMA in expect]
 
         return await anyio.to_thread.run_sync(read)

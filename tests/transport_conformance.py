@@ -11,6 +11,8 @@ keeps, within a partition: a consumer that started at the wrong offset gets a wr
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import pytest
 
@@ -132,7 +134,31 @@ async def check_from_end_reads_only_what_comes_after_start(log: EventLog, prefix
         await producer.close()
 
 
+async def check_read_since_a_time_starts_at_the_first_record_that_recent(log: EventLog, prefix: str) -> None:
+    """``read_since(..., since_ms=T)``: per partition, from its first record timestamped at or after T (what an
+    inference actor taking over a dead one's task reads ``rollout.tokens`` from)."""
+    topic = f"{prefix}.in"
+    producer = await _fill(log, topic, 2, 3)
+    try:
+        await producer.flush()
+        mark = time.time_ns() // 1_000_000 + 1
+        while time.time_ns() // 1_000_000 < mark:  # the clock, not a readiness wait: later records, later stamps
+            await anyio.sleep(0.002)
+        await producer.send(topic, _task(9), partition=1)
+        await producer.send(topic, _task(10), partition=0)
+        await producer.flush()
+        since = await log.read_since(topic, {}, expect=("task",), since_ms=mark)
+        assert sorted((p, o, m.task_id) for p, o, m in since) == [(0, 3, "t10"), (1, 3, "t9")]  # type: ignore[attr-defined]
+        assert await log.read_since(topic, {0: 4}, expect=("task",), since_ms=mark) == [
+            (p, o, m) for p, o, m in since if p == 1]  # the later of the two starts wins
+        assert await log.read_since(topic, {}, expect=("task",), since_ms=mark + 3_600_000) == []
+        everything = await log.read_since(topic, {}, expect=("task",))
+        assert len(everything) == 8
+    finally:
+        await producer.close()
+
+
 CHECKS = (check_the_shapes, check_a_group_commits_only_what_was_acknowledged,
           check_an_assigned_consumer_starts_where_told_and_commits_nothing, check_seek_moves_one_partition,
-          check_from_end_reads_only_what_comes_after_start)
+          check_from_end_reads_only_what_comes_after_start, check_read_since_a_time_starts_at_the_first_record_that_recent)
 """Every check, for ``pytest.mark.parametrize``."""

@@ -19,7 +19,10 @@ For each task from ``rollout.tasks`` it generates the task's group of samples co
   episode come back as the template's ``tool`` turns, whole (:func:`observation_ids`).
 
 The finished sample goes to ``rollout.completions`` (key task_id). The task record is acknowledged
-only after all its completions are: a crash re-generates the whole group elsewhere.
+only after all its completions are: after a crash the task comes again, to this actor's successor, which
+continues each single-turn sample from the tokens the broker had acknowledged on ``rollout.tokens``
+(:mod:`actors.inference.resume`; the last chunk of a finished generation is marked ``done``); a multi-turn
+episode starts again in a fresh sandbox.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import numpy as np
 from actors import tracing
 from modelserver.llm import has_chat_template, render_observation, render_prompt
 from modelserver.client import GenerateResult, SGLangClient, SGLangError
+from actors.inference.resume import Frontier, Frontiers
 from actors.runtime import INFRA_ERRORS, Released, Runtime, StreamActor
 from engine.schemas import EPISODES_FULL, SANDBOX_ERROR, Completion, SandboxRequest, SandboxResult, Task, TokenChunk
 from streams.protocols import AssignedConsumer, EventRecord
@@ -172,6 +176,11 @@ class _Sample:
         self.versions += [-1] * len(ids)
 
 
+def _sample_id(task: Task, index: int) -> str:
+    """Sample ``index`` of ``task``'s group: the same id whichever actor generates it (resume.py finds its chunks)."""
+    return f"{task.task_id}/{index}"
+
+
 def _version_int(v: str | None, default: int) -> int:
     try:
         return int(v) if v is not None else default
@@ -209,7 +218,10 @@ class InferenceActor(StreamActor):
         self.tokens_out = 0
         self.chunks_out = 0  # rollout.tokens records
         self.resumed = 0
+        self.samples_taken_over = 0  # samples continued from another actor's chunks (resume.py)
+        self.tokens_taken_over = 0
         self.waited_for_sandbox = 0
+        self.frontiers: Frontiers | None = None
         self.partial_rollouts = cfg.partial_rollouts
         self._gate = GenerationGate()
 
@@ -218,6 +230,7 @@ class InferenceActor(StreamActor):
         cfg = self.rt.cfg.inference
         self.client = SGLangClient(self.urls, timeout=cfg.request_timeout_s, api_key=cfg.resolved_api_key())
         self.weight_version = _version_int(await self.client.get_weight_version(), 0)
+        self.frontiers = Frontiers(self.rt.event_log, self.rt.names.tokens, window_s=cfg.resume_window_s)
         self.results = await self.rt.assigned_consumer(
             "inference-results", partitions=[(self.rt.names.sandbox_results, self.reply_partition)],
             expect=(SandboxResult.SCHEMA,), from_end=True).start()
@@ -358,18 +371,24 @@ class InferenceActor(StreamActor):
                       else render_prompt(self.tokenizer, task.prompt, tools=task.tools or None))
         completions: list[Completion | None] = [None] * task.group_size
         headers: list[dict[str, str]] = [{} for _ in range(task.group_size)]
+        taken: dict[str, Frontier] = {}
+        if task.max_turns <= 1 and self.frontiers is not None and self.frontiers.may_have_frontiers(record.timestamp_ms):
+            taken = await self.frontiers.take(record.timestamp_ms,
+                                              [_sample_id(task, i) for i in range(task.group_size)])
         async with anyio.create_task_group() as tg:
             for i in range(task.group_size):
-                tg.start_soon(self._run_sample, record, task, i, prompt_ids, completions, headers)
+                tg.start_soon(self._run_sample, record, task, i, prompt_ids, completions, headers,
+                              taken.get(_sample_id(task, i)))
         for c, h in zip(completions, headers):
             assert c is not None
             self.emit(record, self.rt.names.completions, c, key=task.task_id, headers=h)
 
     async def _run_sample(self, record: EventRecord, task: Task, index: int, prompt_ids: list[int],
-                          out: list[Completion | None], out_headers: list[dict[str, str]]) -> None:
+                          out: list[Completion | None], out_headers: list[dict[str, str]],
+                          frontier: Frontier | None = None) -> None:
         """Generate sample ``index`` of the group under its ``generate`` span (the parent of its sandbox steps)."""
         with self.record_span(record, "generate") as span:
-            completion = await self._generate_sample(record, task, index, prompt_ids)
+            completion = await self._generate_sample(record, task, index, prompt_ids, frontier)
             if span.is_recording():
                 versions = sorted({int(v) for v in completion.weight_versions.tolist() if v >= 0})
                 span.set_attributes({
@@ -383,12 +402,15 @@ class InferenceActor(StreamActor):
             out_headers[index] = tracing.trace_headers(span)
         out[index] = completion
 
-    async def _generate_sample(self, record: EventRecord, task: Task, index: int, prompt_ids: list[int]) -> Completion:
-        sample = _Sample(f"{task.task_id}/{index}")
+    async def _generate_sample(self, record: EventRecord, task: Task, index: int, prompt_ids: list[int],
+                               frontier: Frontier | None = None) -> Completion:
+        sample = _Sample(_sample_id(task, index))
         sampling = self._sampling(task)
         transcript: list[dict[str, Any]] = []
         episode_facts: dict[str, Any] = {}
-        if task.max_turns <= 1:
+        if task.max_turns <= 1 and frontier is not None:
+            finish = await self._continue(record, task, sample, prompt_ids, sampling, frontier)
+        elif task.max_turns <= 1:
             finish = await self._generate(record, task, sample, prompt_ids, sampling, sampling["max_new_tokens"])
         else:
             finish, episode_facts = await self._episode(record, task, sample, prompt_ids, sampling, transcript)
@@ -405,17 +427,22 @@ class InferenceActor(StreamActor):
         return completion
 
     def _stream_tokens(self, record: EventRecord, task: Task, sample: _Sample,
-                       unsent: tuple[list[int], list[float], list[int]], headers: dict[str, str]) -> None:
-        """One ``rollout.tokens`` record of the tokens not yet streamed; empties ``unsent``.
+                       unsent: tuple[list[int], list[float], list[int]], headers: dict[str, str], *,
+                       finish_reason: str = "") -> None:
+        """One ``rollout.tokens`` record of the tokens not yet streamed; empties ``unsent``. With
+        ``finish_reason`` it is the generation's last (``done``), with or without tokens.
 
         The sample's trace context goes on its first chunk only: later chunks share its key
         (sample_id), partition and order, so a consumer that wants their trace has it.
         """
         ids, lps, vers = unsent
+        last = vers[-1] if vers else (sample.versions[-1] if sample.versions else self.weight_version)
         self.emit(record, self.rt.names.tokens, TokenChunk(
             sample_id=sample.sample_id, task_id=task.task_id, seq=sample.chunks,
-            token_ids=np.asarray(ids, np.int32), logprobs=np.asarray(lps, np.float32),
-            weight_version=vers[-1]), key=sample.sample_id, headers=headers, trace=sample.chunks == 0)
+            token_ids=np.asarray(ids, np.int32), logprobs=np.asarray(lps, np.float32), weight_version=last,
+            weight_versions=None if all(v == last for v in vers) else np.asarray(vers, np.int32),
+            done=bool(finish_reason), finish_reason=finish_reason),
+            key=sample.sample_id, headers=headers, trace=sample.chunks == 0)
         sample.chunks += 1
         self.chunks_out += 1
         for part in unsent:
@@ -439,8 +466,9 @@ class InferenceActor(StreamActor):
         return s
 
     async def _generate(self, record: EventRecord, task: Task, sample: _Sample, context: list[int],
-                        sampling: dict[str, Any], budget: int) -> str:
-        """Generate up to ``budget`` tokens after ``context``; resumes across weight updates."""
+                        sampling: dict[str, Any], budget: int, *, whole_sample: bool = True) -> str:
+        """Generate up to ``budget`` tokens after ``context``; resumes across weight updates. When the
+        generation is the ``whole_sample`` (not one turn of an episode) its last chunk is marked ``done``."""
         assert self.client is not None
         mine: list[int] = []  # tokens this call produced, across resumed attempts
         attempt = 0
@@ -478,17 +506,40 @@ class InferenceActor(StreamActor):
                         final = chunk
                     if len(unsent[0]) >= self.stream_interval:
                         self._stream_tokens(record, task, sample, unsent, chunk_headers)
-            if unsent[0]:  # the rest, once the stream has ended (finished, or aborted by a weight update)
-                self._stream_tokens(record, task, sample, unsent, chunk_headers)
             assert final is not None
             kind = final.finish_type or "unknown"
+            again = kind == "abort" and self._update_epoch != epoch and len(mine) < budget and not self.draining
+            done = whole_sample and not again
+            if unsent[0] or done:  # the rest, once the stream has ended; the last record of the sample is done
+                self._stream_tokens(record, task, sample, unsent, chunk_headers, finish_reason=kind if done else "")
             if kind != "abort":
                 sample.take_final_logprobs(final, seen)
-            if kind == "abort" and self._update_epoch != epoch and len(mine) < budget and not self.draining:
+            if again:
                 attempt += 1
                 self.resumed += 1
                 continue  # interrupted by a weight update: resume with the tokens kept
             return kind
+
+    async def _continue(self, record: EventRecord, task: Task, sample: _Sample, prompt_ids: list[int],
+                        sampling: dict[str, Any], frontier: Frontier) -> str:
+        """A single-turn sample another actor was generating when it died: its tokens on ``rollout.tokens``
+        kept as they were (ids, logprobs, versions), the rest generated after them, the chunks numbered on."""
+        ids, lps, versions = frontier.tokens()
+        sample.add_model_tokens(ids, lps, versions)
+        sample.chunks = frontier.chunks
+        self.samples_taken_over += 1
+        self.tokens_taken_over += len(ids)
+        if frontier.finished:
+            return frontier.finish_reason  # it had finished: nothing left to generate, nothing to stream
+        budget = int(sampling["max_new_tokens"]) - len(ids)
+        stops = {self.tokenizer.eos_token_id, *(sampling.get("stop_token_ids") or [])} - {None}
+        ended = "length" if budget <= 0 else ("stop" if ids and ids[-1] in stops and not sampling.get("ignore_eos")
+                                              else "")
+        if ended:  # it had ended; only its done record was lost
+            self._stream_tokens(record, task, sample, ([], [], []), tracing.trace_headers(), finish_reason=ended)
+            return ended
+        log.info("%s: %s continues from %d tokens another actor streamed", self.name, sample.sample_id, len(ids))
+        return await self._generate(record, task, sample, prompt_ids + ids, sampling, budget)
 
     async def _episode(self, record: EventRecord, task: Task, sample: _Sample, prompt_ids: list[int],
                        sampling: dict[str, Any], transcript: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
@@ -513,7 +564,8 @@ class InferenceActor(StreamActor):
             finish = "stop"
             for _ in range(task.max_turns):
                 start = len(sample.ids)
-                finish = await self._generate(record, task, sample, prompt_ids + sample.ids, turn_sampling, per_turn)
+                finish = await self._generate(record, task, sample, prompt_ids + sample.ids, turn_sampling, per_turn,
+                                              whole_sample=False)
                 command = self.tokenizer.decode(sample.ids[start:], skip_special_tokens=True).strip()
                 if not command or command in ("exit", "done"):
                     transcript.append({"command": command, "observation": ""})
@@ -537,5 +589,6 @@ class InferenceActor(StreamActor):
         stats = super().statistics()
         stats.update(weight_version=self.weight_version, samples_done=self.samples_done,
                      tokens_out=self.tokens_out, chunks_out=self.chunks_out, resumed=self.resumed,
+                     samples_taken_over=self.samples_taken_over, tokens_taken_over=self.tokens_taken_over,
                      waited_for_sandbox=self.waited_for_sandbox)
         return stats

@@ -248,8 +248,8 @@ async def test_runtime_on_secured_kafka_and_nats(secure_kafka: SecureKafkaBroker
                     while not records:
                         records = await consumer.getmany(timeout_s=0.5)
                 assert records[0].message.offset == 3  # type: ignore[attr-defined]
-            assert rt.nats is not None
-            await rt.nats.kv_put(f"{unique_name}-control", "hello", b"world")
+            assert rt.control is not None
+            await rt.control.kv_put(f"{unique_name}-control", "hello", b"world")
     finally:
         server.stop()
 

@@ -26,7 +26,7 @@ ACTOR_MODULES = {
     "actors.scheduler", "actors.reward", "actors.export",
     "actors.learner", "actors.learner_checkpoint", "actors.learner_sim",
     "actors.eval_role", "actors.evaluate",
-    "actors.inference", "actors.inference.actor",
+    "actors.inference", "actors.inference.actor", "actors.inference.resume",
     "actors.sandbox", "actors.sandbox.episode", "actors.sandbox.resources", "actors.sandbox.settings",
     "actors.sandbox.verify",
 }

@@ -361,9 +361,17 @@ def test_resume_replaces_a_failed_run_but_refuses_a_successful_one(model_dir, tm
     result = json.loads(out.read_text())
     assert result["systems"]["trl"]["status"] == "ok" and list(result["systems"]["trl"]["runs"]) == ["trl.s0"]
     assert result["domains"]["arith"]["systems"]["trl"]["after"] == 0.6
+    fake = FakeSessions(monkeypatch)  # another seed of it is welcome
+    assert md.main(["--model-dir", str(model_dir), "--systems", "engine_adaptive", "--first-seed", "1", "--seeds", "1",
+                    "--resume", str(out)]) == 0
+    assert fake.ran == ["engine_adaptive.s1"]
+    assert list(json.loads(out.read_text())["systems"]["engine_adaptive"]["runs"]) == ["engine_adaptive.s0",
+                                                                                      "engine_adaptive.s1"]
     line = bad_input(["--model-dir", str(model_dir), "--systems", "engine_adaptive", "--seeds", "1", "--resume", str(out)],
                      monkeypatch, capsys)
     assert "engine_adaptive.s0 is already there" in line
+    assert "--first-seed must be >= 0" in bad_input(["--model-dir", str(model_dir), "--first-seed", "-1"],
+                                                    monkeypatch, capsys)
     line = bad_input(["--model-dir", str(model_dir), "--systems", "engine_adaptive,trl", "--resume", str(out)],
                      monkeypatch, capsys)
     assert "already there" in line
