@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,23 @@ from ops.infra.process import free_port
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+async def tiny_local_server(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
+    """(model directory, URL) of the local server's app in this process, serving the tiny char model."""
+    from aiohttp.test_utils import TestServer
+
+    from modelserver.llm import write_tiny_model_dir
+    from modelserver.local.server import ServerConfig, build_app
+
+    model_dir = str(write_tiny_model_dir(tmp_path / "model", seed=0))
+    server = TestServer(build_app(ServerConfig(model_dir=model_dir, max_batch=8, chunk_size=64)), port=0)
+    await server.start_server()
+    try:
+        yield model_dir, str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
 
 
 @pytest.fixture

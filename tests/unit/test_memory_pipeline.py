@@ -8,12 +8,11 @@ one of a backend that refuses to open a sandbox: a verification that tried one w
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
-from aiohttp.test_utils import TestServer
 
 from actors.inference.actor import InferenceActor
 from actors.learner import LearnerActor
@@ -26,8 +25,7 @@ from engine.config import (ConfigError, EngineConfig, InferenceConfig, LearnerCo
                            SchedulerConfig, TransportConfig)
 from engine.schemas import Completion, Experience
 from learning.core import StepReport
-from modelserver.llm import load_model_dir, write_tiny_model_dir
-from modelserver.local.server import ServerConfig, build_app
+from modelserver.llm import load_model_dir
 from sandboxes import Limits, Sandbox
 from sandboxes.registry import register_sandbox_backend, unregister_sandbox_backend
 from streams.memory import MemoryEventLog, MemoryStore
@@ -50,18 +48,6 @@ def no_sandbox_backend() -> Iterator[str]:
         unregister_sandbox_backend(NO_SANDBOX)
 
 
-@pytest.fixture
-async def local_server(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
-    """(model directory, URL) of the local server's app in this process, serving a tiny model."""
-    model_dir = str(write_tiny_model_dir(tmp_path / "model", seed=0))
-    server = TestServer(build_app(ServerConfig(model_dir=model_dir, max_batch=8, chunk_size=64)), port=0)
-    await server.start_server()
-    try:
-        yield model_dir, str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
-
-
 def test_an_unknown_transport_type_is_a_one_line_error_naming_the_field() -> None:
     with pytest.raises(ConfigError, match=r"^transport\.type: unknown transport 'carrier-pigeon'; known: kafka, memory"):
         Runtime(EngineConfig(transport=TransportConfig(type="carrier-pigeon")))
@@ -74,8 +60,8 @@ def test_the_config_picks_the_transport() -> None:
 
 
 async def test_the_whole_pipeline_runs_over_the_memory_transport(
-        tmp_path: Path, local_server: tuple[str, str], no_sandbox_backend: str) -> None:
-    model_dir, url = local_server
+        tmp_path: Path, tiny_local_server: tuple[str, str], no_sandbox_backend: str) -> None:
+    model_dir, url = tiny_local_server
     cfg = EngineConfig(
         namespace="pipeline", transport=TransportConfig(type="memory"),
         scheduler=SchedulerConfig(domains={"arith": 1.0}, group_size=GROUP, max_staleness=1, curriculum=False),

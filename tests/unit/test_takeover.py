@@ -5,13 +5,12 @@ again; over the in-memory transport, against the local server's app with the tin
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestServer
 
 from actors.inference.actor import InferenceActor
 from actors.inference.resume import frontiers
@@ -19,8 +18,7 @@ from actors.runtime import Runtime
 from engine.actor import RestartPolicy, Supervisor
 from engine.config import EngineConfig, InferenceConfig, TransportConfig
 from engine.schemas import Completion, Task, TokenChunk
-from modelserver.llm import load_model_dir, write_tiny_model_dir
-from modelserver.local.server import ServerConfig, build_app
+from modelserver.llm import load_model_dir
 from streams.memory import MemoryEventLog
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,20 +47,20 @@ def test_a_frontier_is_the_unbroken_run_of_chunks_of_the_latest_generation() -> 
     assert lps == np.asarray([-0.5, -0.6, -0.5], np.float32).tolist()
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+def _inference(rt: Runtime, url: str, tokenizer: object, tmp_path: Path) -> Supervisor:
+    sup = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
+    sup.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w"))
+    return sup
 
 
-@pytest.fixture
-async def local_server(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
-    model_dir = str(write_tiny_model_dir(tmp_path / "model", seed=0))
-    server = TestServer(build_app(ServerConfig(model_dir=model_dir, max_batch=8, chunk_size=64)), port=0)
-    await server.start_server()
-    try:
-        yield model_dir, str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+async def _until(predicate: Callable[[], bool], timeout_s: float = 60) -> None:
+    with anyio.fail_after(timeout_s):
+        while not predicate():
+            await anyio.sleep(0.02)
+
+
+def _completions(log: MemoryEventLog, topic: str) -> dict[str, Completion]:
+    return {m.sample_id: m for m in log.messages(topic) if isinstance(m, Completion)}
 
 
 def _later_than_now() -> None:
@@ -74,8 +72,8 @@ def _later_than_now() -> None:
 
 @pytest.mark.anyio
 async def test_the_next_actor_continues_each_sample_from_the_tokens_the_dead_one_streamed(
-        tmp_path: Path, local_server: tuple[str, str]) -> None:
-    model_dir, url = local_server
+        tmp_path: Path, tiny_local_server: tuple[str, str]) -> None:
+    model_dir, url = tiny_local_server
     _, tokenizer = load_model_dir(model_dir)
     cfg = EngineConfig(namespace="takeover", transport=TransportConfig(type="memory"),
                        inference=InferenceConfig(model_dir=model_dir, max_new_tokens=14, concurrency=16,
@@ -97,18 +95,15 @@ async def test_the_next_actor_continues_each_sample_from_the_tokens_the_dead_one
             await rt.producer.send(names.tokens, c, key=c.sample_id)
         before = {p: len(records) for p, records in enumerate(log.topics[names.tokens])}
         _later_than_now()  # the successor starts after all of it
-        sup = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
-        sup.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w"))
+        sup = _inference(rt, url, tokenizer, tmp_path)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sup.run)
-            with anyio.fail_after(60):
-                while len([m for m in log.messages(names.completions) if isinstance(m, Completion)]) < 3:
-                    await anyio.sleep(0.05)
+            await _until(lambda: len(_completions(log, names.completions)) == 3)
             stats = sup.actors["inference"].statistics()
             sup.drain()
         new = [m for _, _, m in sorted(await log.read_since(names.tokens, before, expect=(TokenChunk.SCHEMA,)),
                                        key=lambda r: (r[0], r[1])) if isinstance(m, TokenChunk)]
-    done = {m.sample_id: m for m in log.messages(names.completions) if isinstance(m, Completion)}
+    done = _completions(log, names.completions)
 
     # sample 0: the dead actor's 8 tokens kept exactly (ids, logprobs, per-token versions), 6 more generated
     c0 = done["t1/0"]
@@ -129,8 +124,8 @@ async def test_the_next_actor_continues_each_sample_from_the_tokens_the_dead_one
 
 @pytest.mark.anyio
 async def test_a_task_produced_after_the_actor_started_is_generated_without_a_look_back(
-        tmp_path: Path, local_server: tuple[str, str]) -> None:
-    model_dir, url = local_server
+        tmp_path: Path, tiny_local_server: tuple[str, str]) -> None:
+    model_dir, url = tiny_local_server
     _, tokenizer = load_model_dir(model_dir)
     cfg = EngineConfig(namespace="fresh", transport=TransportConfig(type="memory"),
                        inference=InferenceConfig(model_dir=model_dir, max_new_tokens=6, concurrency=16))
@@ -139,19 +134,14 @@ async def test_a_task_produced_after_the_actor_started_is_generated_without_a_lo
         assert isinstance(log, MemoryEventLog)
         stale = _chunk("t2/0", 0, [10, 11], [0, 0])  # a stray chunk under the same sample id
         await rt.producer.send(rt.names.tokens, stale, key=stale.sample_id)
-        sup = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
-        sup.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w"))
+        sup = _inference(rt, url, tokenizer, tmp_path)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sup.run)
-            with anyio.fail_after(30):
-                while sup.actors.get("inference") is None or sup.actors["inference"].frontiers is None:
-                    await anyio.sleep(0.01)
+            await _until(lambda: sup.actors.get("inference") is not None and sup.actors["inference"].frontiers is not None)
             _later_than_now()
             await rt.producer.send(rt.names.tasks, Task(task_id="t2", domain="arith", prompt="1+1=",
                                                         spec={"answer": "2"}, group_size=1), key="t2")
-            with anyio.fail_after(60):
-                while not [m for m in log.messages(rt.names.completions) if isinstance(m, Completion)]:
-                    await anyio.sleep(0.05)
+            await _until(lambda: bool(_completions(log, rt.names.completions)))
             actor = sup.actors["inference"]
             stats, reads = actor.statistics(), actor.frontiers.reads
             sup.drain()
