@@ -503,8 +503,8 @@ class InferenceActor(StreamActor):
                         self.tokens_out += len(new_ids)
                         seen = len(chunk.output_ids)
                     if chunk.finished:
-                        final = chunk
-                    if len(unsent[0]) >= self.stream_interval:
+                        final = chunk  # its tokens go out below, in the record marked done (no extra record)
+                    elif len(unsent[0]) >= self.stream_interval:
                         self._stream_tokens(record, task, sample, unsent, chunk_headers)
             assert final is not None
             kind = final.finish_type or "unknown"
