@@ -58,7 +58,7 @@ class Broken(Actor):
 
 def _runtime(nc: FakeNc, heartbeat_s: float = 2.0) -> Any:
     cfg = EngineConfig(namespace="ns", telemetry=TelemetryConfig(heartbeat_s=heartbeat_s))
-    return SimpleNamespace(cfg=cfg, names=Names("ns"), instance="host-1", nats=SimpleNamespace(nc=nc))
+    return SimpleNamespace(cfg=cfg, names=Names("ns"), instance="host-1", control=SimpleNamespace(nc=nc))
 
 
 async def _running(supervisor: Supervisor, n: int) -> None:
