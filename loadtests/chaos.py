@@ -29,6 +29,9 @@ Headline keys: ``kills``, ``tasks_admitted``, ``samples_lost``, ``samples_traine
 - ``tokens_regenerated``: tokens generated again after a kill among those the broker had acknowledged
   on ``rollout.tokens``: per sample, in offset order, each generation after the first (its chunks' ``seq``
   start again at 0) counts the positions it repeats of what earlier generations had streamed;
+- ``samples_taken_over`` / ``tokens_kept_after_takeover``: generations a restarted inference process
+  continued where the killed one stopped (a chunk with ``seq`` > 0 from another producer), and the streamed
+  tokens those kept (actors/inference/resume.py);
 - ``recovery_s.<role>.p50`` / ``.p99``: SIGKILL to the restarted daemon's ready line, per role.
 
 ``--kills N`` stretches the fault schedule to at least ``SECONDS_PER_KILL`` x N seconds unless
@@ -305,6 +308,24 @@ def regenerated_tokens(chunks: list[tuple[int, int, int]]) -> int:
     return regenerated
 
 
+def taken_over(chunks: list[tuple[int, int, int, str]]) -> tuple[int, int]:
+    """Of one sample's token chunks on the topic, ``(offset, seq, tokens, producer)``: how many times another
+    process continued the generation where a dead one stopped (a chunk with ``seq`` > 0 from a producer other
+    than the previous chunk's), and how many streamed tokens those continuations kept instead of generating
+    them again."""
+    times = kept = current = 0
+    previous = None
+    for _, seq, n, producer in sorted(chunks):
+        if seq == 0:
+            current = 0
+        elif previous is not None and producer != previous:
+            times += 1
+            kept += current
+        current += n
+        previous = producer
+    return times, kept
+
+
 def frontier_figures(cfg: Any, scheduler_admitted: int) -> dict[str, int]:
     """``prompts_skipped``, ``prompts_duplicated`` and ``tokens_regenerated`` from the topics (see the module
     docstring); records re-sent with the same message id are counted once."""
@@ -318,7 +339,8 @@ def frontier_figures(cfg: Any, scheduler_admitted: int) -> dict[str, int]:
         if isinstance(rec, TopicRecord) and isinstance(rec.message, Task):
             t = rec.message
             tasks[t.task_id] = (t.domain, t.prompt, json.dumps(t.spec, sort_keys=True, default=str))
-    chunks: dict[str, list[tuple[int, int, int]]] = {}  # sample -> (partition, offset, ...) in order
+    chunks: dict[str, list[tuple[int, int, int]]] = {}  # sample -> (offset, seq, tokens) in order
+    producers: dict[str, list[tuple[int, int, int, str]]] = {}  # the same, with each chunk's producer
     seen_ids: set[str] = set()
     generated_tasks: set[str] = set()
     for rec in read_topic(cfg, names.tokens):
@@ -328,12 +350,15 @@ def frontier_figures(cfg: Any, scheduler_admitted: int) -> dict[str, int]:
         c = rec.message
         generated_tasks.add(c.task_id)
         chunks.setdefault(c.sample_id, []).append((rec.offset, c.seq, len(c.token_ids)))
+        producers.setdefault(c.sample_id, []).append((rec.offset, c.seq, len(c.token_ids), rec.producer))
     prompts = list(tasks.values())
     return {
         "prompts_skipped": max(0, scheduler_admitted - len(tasks)) + len(set(tasks) - generated_tasks),
         "prompts_duplicated": len(prompts) - len(set(prompts)),
         "tokens_regenerated": sum(regenerated_tokens(records) for records in chunks.values()),
         "tokens_streamed": sum(n for records in chunks.values() for _, _, n in records),
+        "samples_taken_over": sum(taken_over(records)[0] for records in producers.values()),
+        "tokens_kept_after_takeover": sum(taken_over(records)[1] for records in producers.values()),
     }
 
 
@@ -415,7 +440,8 @@ def print_results(results: dict[str, Any]) -> None:
     print(f"{'tasks admitted':<28}{results['tasks_admitted']:>8}")
     print(f"{'samples lost':<28}{results['samples_lost']:>8}")
     print(f"{'samples trained twice':<28}{results['samples_trained_twice']:>8}")
-    for key in ("prompts_skipped", "prompts_duplicated", "tokens_regenerated", "tokens_streamed"):
+    for key in ("prompts_skipped", "prompts_duplicated", "tokens_regenerated", "tokens_streamed", "samples_taken_over",
+                "tokens_kept_after_takeover"):
         print(f"{key.replace('_', ' '):<28}{results[key]:>8}")
     for role, r in results["recovery_s"].items():
         print(f"{'recovery s ' + role:<28}{'p50 ' + str(r['p50']):>12}{'p99 ' + str(r['p99']):>12}   n={r['n']}")

@@ -131,6 +131,8 @@ class TopicRecord:
     offset: int
     message_id: str
     message: Any
+    producer: str = ""
+    """The envelope's producer id (``<namespace>/<host>-<pid>``: a restarted process is another producer)."""
 
 
 def read_topic(cfg: EngineConfig, topic: str, *, timeout_s: float = 60.0) -> Iterator[TopicRecord | tuple[int, int, str]]:
@@ -145,7 +147,7 @@ def read_topic(cfg: EngineConfig, topic: str, *, timeout_s: float = 60.0) -> Ite
         if isinstance(env, DecodeError):
             yield (partition, offset, env.reason)
         else:
-            yield TopicRecord(partition, offset, env.id, env.message)
+            yield TopicRecord(partition, offset, env.id, env.message, env.producer)
 
 
 # -- the ledger ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.chaos import Plan, flatten, regenerated_tokens, run
+from loadtests.chaos import Plan, flatten, regenerated_tokens, run, taken_over
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -53,3 +53,11 @@ def test_regenerated_tokens_counts_the_positions_a_later_generation_repeats():
     assert regenerated_tokens(first + second) == 10
     assert regenerated_tokens(second + first) == 10  # the order is the offsets', not the list's
     assert regenerated_tokens(first + second + [(9, 0, 3)]) == 13  # and a third one 3 of the 12 streamed
+
+
+def test_taken_over_counts_continuations_by_another_process_and_the_tokens_they_kept():
+    # (offset, seq, tokens, producer): p1 streams 2 chunks and dies; p2 continues at seq 2 (keeps 8 tokens)
+    continued = [(0, 0, 4, "p1"), (1, 1, 4, "p1"), (5, 2, 4, "p2"), (6, 3, 1, "p2")]
+    assert taken_over(continued) == (1, 8)
+    assert taken_over([(0, 0, 4, "p1"), (1, 1, 4, "p1")]) == (0, 0)  # one life
+    assert taken_over([(0, 0, 4, "p1"), (3, 0, 4, "p2"), (4, 1, 4, "p2")]) == (0, 0)  # started again: kept none
