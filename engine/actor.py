@@ -255,7 +255,7 @@ def describe_error(exc: BaseException) -> str:
             leaves.append(e)
 
     walk(exc)
-    return "; ".join(f"{type(e).__name__}: {e}".rstrip(": ") for e in leaves)
+    return "; ".join(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__ for e in leaves)
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

@@ -339,8 +339,7 @@ def frontier_figures(cfg: Any, scheduler_admitted: int) -> dict[str, int]:
         if isinstance(rec, TopicRecord) and isinstance(rec.message, Task):
             t = rec.message
             tasks[t.task_id] = (t.domain, t.prompt, json.dumps(t.spec, sort_keys=True, default=str))
-    chunks: dict[str, list[tuple[int, int, int]]] = {}  # sample -> (offset, seq, tokens) in order
-    producers: dict[str, list[tuple[int, int, int, str]]] = {}  # the same, with each chunk's producer
+    chunks: dict[str, list[tuple[int, int, int, str]]] = {}  # sample -> (offset, seq, tokens, producer)
     seen_ids: set[str] = set()
     generated_tasks: set[str] = set()
     for rec in read_topic(cfg, names.tokens):
@@ -349,16 +348,17 @@ def frontier_figures(cfg: Any, scheduler_admitted: int) -> dict[str, int]:
         seen_ids.add(rec.message_id)
         c = rec.message
         generated_tasks.add(c.task_id)
-        chunks.setdefault(c.sample_id, []).append((rec.offset, c.seq, len(c.token_ids)))
-        producers.setdefault(c.sample_id, []).append((rec.offset, c.seq, len(c.token_ids), rec.producer))
+        chunks.setdefault(c.sample_id, []).append((rec.offset, c.seq, len(c.token_ids), rec.producer))
     prompts = list(tasks.values())
+    takeovers = [taken_over(records) for records in chunks.values()]
     return {
         "prompts_skipped": max(0, scheduler_admitted - len(tasks)) + len(set(tasks) - generated_tasks),
         "prompts_duplicated": len(prompts) - len(set(prompts)),
-        "tokens_regenerated": sum(regenerated_tokens(records) for records in chunks.values()),
-        "tokens_streamed": sum(n for records in chunks.values() for _, _, n in records),
-        "samples_taken_over": sum(taken_over(records)[0] for records in producers.values()),
-        "tokens_kept_after_takeover": sum(taken_over(records)[1] for records in producers.values()),
+        "tokens_regenerated": sum(regenerated_tokens([(o, seq, n) for o, seq, n, _ in records])
+                                  for records in chunks.values()),
+        "tokens_streamed": sum(n for records in chunks.values() for _, _, n, _ in records),
+        "samples_taken_over": sum(times for times, _ in takeovers),
+        "tokens_kept_after_takeover": sum(kept for _, kept in takeovers),
     }
 
 

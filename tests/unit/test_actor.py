@@ -3,7 +3,7 @@
 import anyio
 import pytest
 
-from engine.actor import Actor, RestartPolicy, Supervisor, SupervisorGaveUp
+from engine.actor import Actor, RestartPolicy, Supervisor, SupervisorGaveUp, describe_error
 
 pytestmark = pytest.mark.anyio
 
@@ -128,3 +128,10 @@ async def test_an_actor_drains_after_the_ones_whose_work_it_serves():
     assert log == ["client draining", "client done", "server draining"]
     with pytest.raises(ValueError, match="after itself"):
         sup.add("loop", Server, drain_after=("loop",))
+
+
+def test_describe_error_names_the_leaves_of_an_exception_group() -> None:
+    assert describe_error(ValueError("bad input:")) == "ValueError: bad input:"
+    assert describe_error(TimeoutError()) == "TimeoutError"
+    nested = ExceptionGroup("outer", [ValueError("a"), ExceptionGroup("inner", [TimeoutError()])])
+    assert describe_error(nested) == "ValueError: a; TimeoutError"
