@@ -240,7 +240,7 @@ def measure_decode(model: Any, n_seqs: int, context: int, steps: int) -> dict[st
         "hf_tokens_per_s": round(rate["hf"], 1),
         "paged_decode_speedup": rate["paged"] / rate["hf"],
         "paged_over_slot": rate["paged"] / rate["slot"],
-        "kv_bytes_per_seq_engine": paged.used_blocks * paged.block_size * per_token // n_seqs,
+        "kv_bytes_per_seq_engine": paged.pool.used_blocks * paged.block_size * per_token // n_seqs,
         "kv_bytes_per_seq_slot": runners["slot"].cache_bytes() // n_seqs,
         "kv_bytes_per_seq_hf": per_token * (context + steps + 1),
         "note": "engine = the paged store (blocks in use x block size, the shared prompt's blocks counted once); "

@@ -2,7 +2,9 @@
 
 One scheduler task owns all generation state. Each iteration (a *step*), under the step lock:
 
-1. admit waiting sequences while fewer than ``max_batch`` are running;
+1. admit waiting sequences while fewer than ``max_batch`` are running and the KV store can hold them
+   (``local/kvstore.py``: the store answers every question about caches, admission and prefixes; the
+   engine never asks which store it has), sharing the longest computed prefix each can take;
 2. prefill: sequences with more than one token not yet in their KV cache get chunks, at most
    ``chunk_size`` tokens per step in total, so a long prompt is processed chunk by chunk against its
    growing cache (peak attention memory ~ chunk_size x prompt length, not prompt length squared);
@@ -22,32 +24,28 @@ ratios when it evaluates its policy at the same temperature.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
-import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import anyio
 import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from modelserver.local.batching import BatchingEngine, EngineStatistics, PauseMode, Sequence
+from modelserver.local.kvstore import KVStore, build_store
 from modelserver.local.prefix_cache import PrefixCache, common_prefix
-from modelserver.local.protocol import BadRequest, SamplingParams
-from modelserver.local.radix import BlockRadix
-from modelserver.local.runner import KV_CACHES, PagedRunner, SlotRunner, build_runner
+from modelserver.local.protocol import SamplingParams
+from modelserver.local.runner import KV_CACHES, Runner
 
-__all__ = ["EngineStatistics", "LocalEngine", "Sequence", "WeightUpdateError"]
+__all__ = ["EngineStatistics", "LocalEngine", "PauseMode", "Sequence", "WeightUpdateError"]
 
 log = logging.getLogger(__name__)
-
-PauseMode = Literal["abort", "retract", "in_place"]
 
 Rescorer = Callable[[PreTrainedModel, list[int], list[int], float], list[float]]
 """(model, prompt ids, output ids, temperature) -> the output tokens' logprobs: ``learning.core.score_tokens``,
@@ -62,112 +60,6 @@ class WeightUpdateError(Exception):
     """New weights could not be applied (the old ones stay in place)."""
 
 
-@dataclass(eq=False)
-class Sequence:
-    """One generation: its prompt, outputs so far, KV cache and finish state."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    top_logprobs_num: int = 0
-    created: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    token_versions: list[str] = field(default_factory=list)
-    kv_id: int | None = None
-    """The KV store's id of this sequence's cache while it runs (a block table of the paged store, a row
-    of the slot store); None while it waits."""
-    cached: int = 0
-    """Tokens of prompt + output whose keys and values are in its KV cache."""
-    cached_tokens: int = 0
-    """Prompt tokens copied from another sequence's cache or the prefix cache (SGLang's ``cached_tokens``)."""
-    kv_epoch: int = -1
-    """The engine's weights epoch when this sequence's KV cache was filled (its KV is valid under it only)."""
-    finish_reason: dict[str, Any] | None = None
-    finished_at: float | None = None
-    weight_version: str = "default"
-    stop_trim_chars: int | None = None  # text length to keep when a stop string matched
-    abort_message: str | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    generator: torch.Generator | None = None
-    _stop_scan_from: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def cached_len(self) -> int:
-        return self.cached
-
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def pending_ids(self) -> list[int]:
-        """Tokens of prompt + output not yet in the KV cache."""
-        cached = self.cached_len
-        n_prompt = len(self.prompt_ids)
-        if cached >= n_prompt:
-            return self.output_ids[cached - n_prompt :]
-        return self.prompt_ids[cached:] + self.output_ids
-
-    async def wait_changed(self) -> None:
-        """Wait until new output or a finish is published, then re-arm."""
-        await self.changed.wait()
-        self.changed.clear()
-
-
-@dataclass(frozen=True)
-class EngineStatistics:
-    """An immutable snapshot of the engine's counters."""
-
-    running: int
-    waiting: int
-    paused: bool
-    weight_version: str
-    steps: int
-    decode_tokens: int
-    prefill_tokens: int
-    finished: int
-    kv_bytes_per_token: int = 0
-    """KV cache bytes per cached token in the serving dtype (keys + values, every layer)."""
-    kv_slot_bytes: int = 0
-    """Bytes the KV store has allocated (the paged pool, or the slot tensors)."""
-    kv_cache: str = "paged"
-    kv_block_size: int = 0
-    """Tokens per block of the paged pool (0: the slot store)."""
-    kv_blocks_total: int = 0
-    """The paged pool's bound in blocks (``kv_cache_tokens // kv_block_size``)."""
-    kv_blocks_used: int = 0
-    """Blocks held by running sequences and the prefix tree."""
-    kv_waiting_for_blocks: int = 0
-    """Requests queued because the pool cannot hold their worst case yet (admission control)."""
-    prefix_cache_tokens: int = 0
-    prefix_cache_bytes: int = 0
-    prefix_cache_max_tokens: int = 0
-    prefix_cache_lookups: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_hit_tokens: int = 0
-    """Prompt tokens served from the retained prefix cache (not computed)."""
-    shared_prefix_tokens: int = 0
-    """Prompt tokens copied from running sequences (a group's samples)."""
-    prefix_cache_evicted_tokens: int = 0
-    prefix_cache_flushes: int = 0
-    prefix_cache_int8_tokens: int = 0
-    """Tokens held in the int8 tier (evicted from the hot tier, quantised)."""
-    prefix_cache_int8_bytes: int = 0
-    prefix_cache_int8_max_tokens: int = 0
-    prefix_cache_int8_hits: int = 0
-    prefix_cache_int8_hit_tokens: int = 0
-    prefix_cache_disk_tokens: int = 0
-    """Tokens held in the disk tier (evicted from the int8 tier, still int8, one file each)."""
-    prefix_cache_disk_bytes: int = 0
-    prefix_cache_disk_max_tokens: int = 0
-    prefix_cache_disk_hits: int = 0
-    prefix_cache_disk_hit_tokens: int = 0
-
-
 @dataclass
 class _Sampled:
     token: int
@@ -175,7 +67,7 @@ class _Sampled:
     top: list[tuple[float, int]]
 
 
-class LocalEngine:
+class LocalEngine(BatchingEngine):
     """Continuous-batching generation over one model; all public methods run on the event loop."""
 
     def __init__(
@@ -216,131 +108,69 @@ class LocalEngine:
         self.dtype = dtype
         self.model = model
         self.tokenizer = tokenizer
-        self.runner: PagedRunner | SlotRunner = build_runner(
-            model, kv_cache, max_seqs=max_batch, kv_tokens=kv_cache_tokens, block_size=kv_block_size,
-            attention_window=attention_window, attention_sinks=attention_sinks)
         self.prefix_sharing = prefix_sharing
         """False: every sequence computes its whole prompt (no copies from running sequences or the cache)."""
         self.admission_credit = True
         """Paged store: admit a waiting request on the prompt blocks it can share (False: at its whole worst
         case, as before; ``loadtests/long_context.py`` measures the difference)."""
-        retained = prefix_cache_tokens if prefix_sharing else 0
-        self.radix: BlockRadix | None = None
-        """The paged store's retained prefix cache (a radix tree over blocks); None with the slot store."""
-        if isinstance(self.runner, PagedRunner):
-            # retained prefixes stay in the pool's blocks (the tree); the int8 tier below takes evicted ones
-            self.prefix_cache = PrefixCache(0, self.runner.bytes_per_token(), int8_only=True,
-                                            int8_tokens=prefix_cache_int8_tokens if retained else 0,
-                                            disk_tokens=prefix_cache_disk_tokens, disk_dir=prefix_cache_disk_dir)
-            self.radix = BlockRadix(self.runner, retained,
-                                    on_evict=self._demote_blocks if self.prefix_cache.int8_max_tokens else None)
-        else:
-            self.prefix_cache = PrefixCache(retained, self.runner.bytes_per_token(), int8_tokens=prefix_cache_int8_tokens,
-                                            disk_tokens=prefix_cache_disk_tokens, disk_dir=prefix_cache_disk_dir)
-        self._epoch = 0  # bumped by every weight change: KV computed under another epoch is never reused
-        self._shared_tokens = 0
-        self.max_batch = max_batch
+        super().__init__(max_batch=max_batch, weight_version=weight_version,
+                         context_length=int(getattr(model.config, "max_position_embeddings", 4096)))
         self.chunk_size = chunk_size
-        self.weight_version = weight_version
         self.model_path = model_path
         self.vocab_size = int(model.config.vocab_size)
-        self.context_length = int(getattr(model.config, "max_position_embeddings", 4096))
+        self.kv: KVStore = build_store(
+            model, kv_cache, max_seqs=max_batch, kv_tokens=kv_cache_tokens, block_size=kv_block_size,
+            attention_window=attention_window, attention_sinks=attention_sinks,
+            retained_tokens=prefix_cache_tokens if prefix_sharing else 0, int8_tokens=prefix_cache_int8_tokens,
+            disk_tokens=prefix_cache_disk_tokens, disk_dir=prefix_cache_disk_dir, chunk_size=chunk_size)
+        """Where keys and values live: admission, prefix sharing and retention (``local/kvstore.py``)."""
+        self.runner: Runner = self.kv.runner
+        """The forward pass over the store's keys and values."""
         eos = getattr(model.config, "eos_token_id", None)
         if eos is None:
             eos = tokenizer.eos_token_id
         self.eos_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         self._special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
-        self._step_lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._paused = False
-        self._stepping = False
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self._steps = self._decode_tokens = self._prefill_tokens = self._finished = 0
-        self._blocked = 0  # requests the last admission left queued for want of KV blocks
         self.rescore = rescore
         """Re-scores a finished sample's tokens with one full-sequence forward (the learner's computation,
         ``learning.core.score_tokens``) before its finish is published; None: the decode-time logprobs stay."""
         self._rescoring: list[tuple[Sequence, dict[str, Any]]] = []
         self.rescored_tokens = 0
 
-    # ---------------------------------------------------------------- lifecycle
+    task_name = "local-engine-scheduler"
 
-    async def start(self) -> None:
-        """Start the scheduler task (idempotent)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._scheduler(), name="local-engine-scheduler")
+    # ---------------------------------------------------------------- what the batching core asks
 
-    async def aclose(self) -> None:
-        """Abort everything and stop the scheduler (idempotent)."""
-        self._closed = True
-        self.abort_all("server shutting down")
-        self._wake.set()
-        if self._task is not None:
-            task, self._task = self._task, None
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        self.prefix_cache.close()
+    def _on_close(self) -> None:
+        self.kv.close()
+
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.kv.check_request(len(prompt_ids), params.max_new_tokens)
+
+    def _prepare(self, seq: Sequence) -> None:
+        if not seq.params.greedy:
+            seed = seq.params.sampling_seed if seq.params.sampling_seed is not None else secrets.randbits(63)
+            seq.generator = torch.Generator().manual_seed(seed)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.kv_id is not None:
+            self._retain(seq, seq.kv_id)
+            self.runner.release(seq.kv_id)
+        super()._release(seq)
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The retained tiers of copied tensors (hot, int8, disk) under the KV store."""
+        return self.kv.cold
 
     def statistics(self) -> EngineStatistics:
-        cache = self.prefix_cache.statistics()
-        paged: dict[str, Any] = {"kv_cache": "slot"}
-        if self.radix is not None:
-            assert isinstance(self.runner, PagedRunner)
-            tree = self.radix.statistics()
-            paged = dict(
-                kv_cache="paged", kv_block_size=self.runner.block_size, kv_blocks_total=self.runner.max_blocks,
-                kv_blocks_used=self.runner.used_blocks, kv_waiting_for_blocks=self._blocked,
-                prefix_cache_tokens=tree.tokens, prefix_cache_bytes=tree.bytes,
-                prefix_cache_max_tokens=tree.max_tokens, prefix_cache_lookups=tree.lookups + cache.lookups,
-                prefix_cache_hits=tree.hits + cache.hits, prefix_cache_hit_tokens=tree.hit_tokens + cache.hit_tokens,
-                prefix_cache_evicted_tokens=tree.evicted_tokens, prefix_cache_flushes=tree.flushes)
-        fields: dict[str, Any] = dict(
-            running=len(self._running),
-            waiting=len(self._waiting),
-            paused=self._paused,
-            weight_version=self.weight_version,
-            steps=self._steps,
-            decode_tokens=self._decode_tokens,
-            prefill_tokens=self._prefill_tokens,
-            finished=self._finished,
-            kv_bytes_per_token=self.runner.bytes_per_token(),
-            kv_slot_bytes=self.runner.cache_bytes(),
-            prefix_cache_tokens=cache.tokens,
-            prefix_cache_bytes=cache.bytes,
-            prefix_cache_max_tokens=cache.max_tokens,
-            prefix_cache_lookups=cache.lookups,
-            prefix_cache_hits=cache.hits,
-            prefix_cache_hit_tokens=cache.hit_tokens,
-            shared_prefix_tokens=self._shared_tokens,
-            prefix_cache_evicted_tokens=cache.evicted_tokens,
-            prefix_cache_flushes=cache.flushes,
-            prefix_cache_int8_tokens=cache.int8_tokens,
-            prefix_cache_int8_bytes=cache.int8_bytes,
-            prefix_cache_int8_max_tokens=cache.int8_max_tokens,
-            prefix_cache_int8_hits=cache.int8_hits,
-            prefix_cache_int8_hit_tokens=cache.int8_hit_tokens,
-            prefix_cache_disk_tokens=cache.disk_tokens,
-            prefix_cache_disk_bytes=cache.disk_bytes,
-            prefix_cache_disk_max_tokens=cache.disk_max_tokens,
-            prefix_cache_disk_hits=cache.disk_hits,
-            prefix_cache_disk_hit_tokens=cache.disk_hit_tokens,
-        )
-        fields.update(paged)
-        return EngineStatistics(**fields)
+        return EngineStatistics(**self._counters(), **self.kv.statistics())
 
     def flush_cache(self) -> bool:
         """Free the retained prefix cache; refused (False) while requests run or wait, as SGLang does."""
-        if self._running or self._waiting:
+        if not super().flush_cache():
             return False
-        self.prefix_cache.clear()
-        if self.radix is not None:
-            self.radix.clear()
+        self.kv.clear()
         return True
 
     def invalidate_prefix_cache(self) -> None:
@@ -349,102 +179,9 @@ class LocalEngine:
         Running sequences keep their own caches (as SGLang's do across an update) but are no longer
         sources of prefix sharing, and are not retained when they finish.
         """
-        self._epoch += 1
-        self.prefix_cache.clear()
-        if self.radix is not None:
-            self.radix.clear()
+        self.kv.invalidate()
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    # ---------------------------------------------------------------- requests
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None = None, top_logprobs_num: int = 0) -> Sequence:
-        """Queue a generation and return its :class:`Sequence` (watch it with ``wait_changed``)."""
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        if len(prompt_ids) >= self.context_length:
-            raise BadRequest(
-                f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)."
-            )
-        if isinstance(self.runner, PagedRunner):
-            worst = self._worst_case_tokens(len(prompt_ids), params.max_new_tokens)
-            if self._worst_case_blocks(len(prompt_ids), params.max_new_tokens) > self.runner.max_blocks:
-                raise BadRequest(
-                    f"The request can need {worst} tokens of KV cache (input {len(prompt_ids)} + max_new_tokens "
-                    f"{params.max_new_tokens}), more than the server's KV pool holds "
-                    f"({self.runner.max_blocks * self.runner.block_size} tokens, --kv-cache-tokens); "
-                    f"lower max_new_tokens or raise the pool.")
-        seq = Sequence(
-            rid=rid or secrets.token_hex(16),
-            prompt_ids=list(prompt_ids),
-            params=params,
-            top_logprobs_num=top_logprobs_num,
-            weight_version=self.weight_version,
-        )
-        if not params.greedy:
-            seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
-            seq.generator = torch.Generator().manual_seed(seed)
-        if params.max_new_tokens == 0:
-            self._finish(seq, {"type": "length", "length": 0})
-            return seq
-        self._waiting.append(seq)
-        self._wake.set()
-        return seq
-
-    def abort(self, rid: str, message: str = "Aborted by /abort_request.") -> int:
-        """Abort every queued or running sequence whose rid starts with ``rid``; return how many."""
-        return self._abort_where(lambda s: s.rid.startswith(rid), message)
-
-    def abort_all(self, message: str = "Aborted by abort_all.") -> int:
-        return self._abort_where(lambda s: True, message)
-
-    def _abort_where(self, match: Callable[[Sequence], bool], message: str) -> int:
-        count = 0
-        for seq in [s for s in self._waiting if match(s)]:
-            self._waiting.remove(seq)
-            self._finish(seq, _abort_reason(message))
-            count += 1
-        for seq in self._running:
-            if match(seq) and seq.abort_message is None:
-                seq.abort_message = message
-                count += 1
-        if not self._stepping:
-            self._apply_aborts()
-        return count
-
-    def _apply_aborts(self) -> None:
-        for seq in [s for s in self._running if s.abort_message is not None]:
-            self._running.remove(seq)
-            self._finish(seq, _abort_reason(seq.abort_message or "aborted"))
-
-    # ---------------------------------------------------------------- pause / weights
-
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        """Stop stepping; returns once no step is in flight.
-
-        ``abort`` aborts every request in flight; ``retract`` drops the running sequences' KV caches and
-        requeues them (they are re-prefilled, prompt + output so far, after ``continue_``); ``in_place``
-        keeps everything as it is.
-        """
-        self._paused = True
-        async with self._step_lock:
-            if mode == "abort":
-                self.abort_all("Aborted by /pause_generation (mode=abort).")
-            elif mode == "retract":
-                for seq in reversed(self._running):
-                    self._release(seq)
-                    self._waiting.appendleft(seq)
-                self._running.clear()
-
-    def continue_(self) -> None:
-        self._paused = False
-        self._wake.set()
-
-    def set_weight_version(self, version: str) -> None:
-        self.weight_version = version
+    # ---------------------------------------------------------------- weights
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None, abort_all: bool = False) -> int:
         """Load weights from a HF model directory (or one safetensors file) between two steps.
@@ -486,52 +223,43 @@ class LocalEngine:
 
     # ---------------------------------------------------------------- scheduler
 
-    async def _scheduler(self) -> None:
-        while True:
-            while self._paused or not (self._waiting or self._running):
-                self._wake.clear()
-                await self._wake.wait()
-            async with self._step_lock:
-                if self._paused:
-                    continue
-                self._blocked = 0
-                while self._waiting and len(self._running) < self.max_batch:
-                    shared = self._admission(self._waiting[0])
-                    if shared is None:
-                        self._blocked = len(self._waiting)  # first come, first served: the head waits for blocks
-                        break
-                    seq = self._waiting.popleft()
-                    seq.kv_id = self.runner.acquire()
-                    seq.kv_epoch = self._epoch
-                    self._running.append(seq)
-                    if shared:  # admitted on the strength of blocks it shares: take them now
-                        self._share_prefix(seq, restore=False)
-                prefill, decode = self._plan()
-                if not prefill and not decode:
-                    continue
-                version = self.weight_version
-                self._stepping = True
-                try:
-                    sampled = await anyio.to_thread.run_sync(self._step_sync, prefill, decode)
-                except Exception as exc:  # a failed forward must not kill the server: fail its sequences
-                    log.exception("generation step failed")
-                    for seq, _ in prefill:
-                        seq.abort_message = f"internal error in a generation step: {exc!r}"
-                    for seq in decode:
-                        seq.abort_message = f"internal error in a generation step: {exc!r}"
-                    sampled = {}
-                finally:
-                    self._stepping = False
-                self._steps += 1
-                for seq, result in sampled.items():
-                    self._append(seq, result, version)
-                if self._rescoring:
-                    await self._rescore_finished()
-                self._apply_aborts()
-                if self.runner.window is not None and isinstance(self.runner, PagedRunner):
-                    for seq in self._running:  # a sliding window: blocks no later query reads go back
-                        if seq.kv_id is not None:
-                            self.runner.release_outside_window(seq.kv_id, seq.cached)
+    async def _step(self) -> None:
+        """Admit what fits, plan prefill chunks and decode rows, run them as one forward pass, sample."""
+        self.kv.blocked = 0
+        while self._waiting and len(self._running) < self.max_batch:
+            shared = self._admission_credit(self._waiting[0])
+            if not self.kv.admit(self._waiting[0], self._running, shared):
+                self.kv.blocked = len(self._waiting)  # first come, first served: the head waits for memory
+                break
+            seq = self._waiting.popleft()
+            seq.kv_id = self.runner.acquire()
+            seq.kv_epoch = self.kv.epoch
+            self._running.append(seq)
+            if shared:  # admitted on the strength of blocks it shares: take them now
+                self._share_prefix(seq, restore=False)
+        prefill, decode = self._plan()
+        if not prefill and not decode:
+            return
+        version = self.weight_version
+        self._stepping = True
+        try:
+            sampled = await anyio.to_thread.run_sync(self._step_sync, prefill, decode)
+        except Exception as exc:  # a failed forward must not kill the server: fail its sequences
+            log.exception("generation step failed")
+            for seq, _ in prefill:
+                seq.abort_message = f"internal error in a generation step: {exc!r}"
+            for seq in decode:
+                seq.abort_message = f"internal error in a generation step: {exc!r}"
+            sampled = {}
+        finally:
+            self._stepping = False
+        self._steps += 1
+        for seq, result in sampled.items():
+            self._append(seq, result, version)
+        if self._rescoring:
+            await self._rescore_finished()
+        self._apply_aborts()
+        self.kv.after_step(self._running)
 
     async def _rescore_finished(self) -> None:
         """Replace the logprobs of this step's finished sequences by a full-sequence forward's, then finish them.
@@ -564,66 +292,15 @@ class LocalEngine:
             for seq, reason in batch:
                 self._finish(seq, reason)
 
-    # ---------------------------------------------------------------- paged KV admission
+    # ---------------------------------------------------------------- admission
 
-    def _worst_case_tokens(self, prompt: int, max_new_tokens: int) -> int:
-        return min(prompt + max_new_tokens, self.context_length)
-
-    def _worst_case_blocks(self, prompt: int, max_new_tokens: int) -> int:
-        """The most blocks a sequence holds at once: its whole worst case, or with a sliding window (whose
-        older blocks are released after every step) the sinks' blocks, a window and a chunk, and margins."""
-        assert isinstance(self.runner, PagedRunner)
-        runner = self.runner
-        worst = runner.blocks_for(self._worst_case_tokens(prompt, max_new_tokens))
-        if runner.window is None:
-            return worst
-        return min(worst, runner.sink_blocks + runner.blocks_for(runner.window + self.chunk_size) + 3)
-
-    def _future_blocks(self, seq: Sequence, credit: int = 0) -> int:
-        """Blocks ``seq`` may still allocate: its worst case minus the blocks its table holds (or, not yet
-        admitted, the ``credit`` of blocks it will share)."""
-        assert isinstance(self.runner, PagedRunner)
-        worst = self._worst_case_blocks(len(seq.prompt_ids), seq.params.max_new_tokens)
-        held = self.runner.held_blocks(seq.kv_id) if seq.kv_id is not None else credit
-        return max(0, worst - held)
-
-    def _shareable_blocks(self, seq: Sequence) -> int:
-        """Full blocks of ``seq``'s prompt that a running sequence holds computed now: sharing them by
-        reference, ``seq`` never allocates them. (The prefix tree's unshared blocks are not counted: making
-        room may evict them.)"""
+    def _admission_credit(self, seq: Sequence) -> int:
+        """What ``seq`` saves by sharing the prompt a running sequence holds computed now (the store counts
+        it at admission; the caller shares it at once when admitted, before anything can change)."""
         if not (self.prefix_sharing and self.admission_credit):
             return 0
-        assert isinstance(self.runner, PagedRunner)
         n, source = self._running_source(seq, 0)
-        return self.runner.shared_blocks(source.kv_id, n) if source is not None and source.kv_id is not None else 0
-
-    def _admission(self, seq: Sequence) -> int | None:
-        """Admission control of the paged store: admit ``seq`` only if every running sequence's worst case
-        and its own fit in the free blocks (evicting the prefix tree's unshared leaves if needed), so no
-        generation ever runs out of blocks mid-way; otherwise it waits in the queue (None).
-
-        A sample of a group whose prompt another sample has computed counts only what it adds (the group
-        of 8 on an 8k-token prompt needs 8k + 8 x its new tokens, not 8 x 8k): returns how many blocks it
-        was admitted on sharing (the caller shares them at once, before anything can change), else 0.
-        """
-        if not isinstance(self.runner, PagedRunner):
-            return 0
-        credit = self._shareable_blocks(seq)
-        need = self._future_blocks(seq, credit) + sum(self._future_blocks(r) for r in self._running)
-        short = need - self.runner.free_blocks
-        if short > 0:
-            if self.radix is None or self.radix.evictable() < short:
-                return None
-            self.radix.evict(short)
-            if self.runner.free_blocks < need:
-                return None
-        return credit
-
-    def _demote_blocks(self, tokens: list[int], blocks: list[int]) -> None:
-        """The prefix tree evicts a leaf: keep its whole prefix in the int8 tier."""
-        assert isinstance(self.runner, PagedRunner)
-        runner = self.runner
-        self.prefix_cache.store_int8(tokens, lambda n: runner.export_blocks(blocks, n), self._epoch)
+        return self.kv.credit(source.kv_id if source is not None else None, n)
 
     # ---------------------------------------------------------------- planning
 
@@ -644,7 +321,7 @@ class LocalEngine:
             if self.prefix_sharing and seq.cached == seq.cached_tokens and seq.cached < len(seq.prompt_ids) - 1:
                 self._share_prefix(seq)
                 if len(seq.pending_ids()) > 1 and any(
-                        _common_prefix(seq.prompt_ids, other.prompt_ids) > seq.cached + 8 for other, _ in prefill):
+                        common_prefix(seq.prompt_ids, other.prompt_ids) > seq.cached + 8 for other, _ in prefill):
                     continue  # copy from it next step instead of computing the same tokens twice
             pending = seq.pending_ids()
             if len(pending) == 1:
@@ -662,58 +339,18 @@ class LocalEngine:
         best, source = floor, None
         limit = len(seq.prompt_ids) - 1
         for other in self._running:
-            if other is seq or other.cached <= best or other.kv_id is None or other.kv_epoch != self._epoch:
+            if other is seq or other.cached <= best or other.kv_id is None or other.kv_epoch != self.kv.epoch:
                 continue
-            n = min(_common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
-            if n > best and (not isinstance(self.runner, PagedRunner) or self.runner.can_share(other.kv_id, n)):
+            n = min(common_prefix(seq.prompt_ids, other.tokens()[: other.cached]), limit)
+            if n > best and self.kv.can_share(other.kv_id, n):
                 best, source = n, other
         return best, source
 
     def _share_prefix(self, seq: Sequence, *, restore: bool = True) -> None:
-        """Copy the longest prefix of ``seq``'s prompt held by a running sequence or the prefix cache
-        (``restore=False``: not from the int8 tier, whose copy takes new blocks)."""
+        """Give ``seq`` the longest prefix of its prompt held by a running sequence or the retained tiers
+        (``restore=False``: not from the int8 or disk tiers, whose copy takes new memory)."""
         best, source = self._running_source(seq, seq.cached)
-        limit = len(seq.prompt_ids) - 1
-        if seq.kv_id is None:
-            return
-        if self.radix is not None:
-            self._share_paged(seq, best, source, limit, restore)
-            return
-        retained, kv = self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch) if best < limit else (0, None)
-        if kv is not None and retained > best:
-            self.runner.import_prefix(seq.kv_id, kv, retained)
-            self.prefix_cache.record_hit(retained - seq.cached)
-            seq.cached = seq.cached_tokens = retained
-        elif source is not None and source.kv_id is not None:
-            self.runner.copy_prefix(seq.kv_id, source.kv_id, best)
-            self._shared_tokens += best - seq.cached
-            seq.cached = seq.cached_tokens = best
-
-    def _share_paged(self, seq: Sequence, best: int, source: Sequence | None, limit: int, restore: bool) -> None:
-        """Paged store: adopt the prefix tree's blocks, share a running sequence's, or restore from int8.
-
-        Only a sequence holding nothing yet restores from the int8 tier (new blocks): with blocks already
-        shared, replacing them could leave the pool short of what admission counted on.
-        """
-        assert self.radix is not None and seq.kv_id is not None
-        blocks, tail_block, tail = self.radix.match(seq.prompt_ids, limit) if best < limit else ([], -1, 0)
-        tree = len(blocks) * self.radix.block_size + tail
-        floor = max(best, tree, seq.cached)
-        cold, kv = (self.prefix_cache.lookup(seq.prompt_ids, limit, self._epoch, floor=floor)
-                    if restore and seq.cached == 0 and floor < limit else (0, None))
-        if kv is not None and cold > floor:
-            self.runner.import_prefix(seq.kv_id, kv, cold)
-            self.prefix_cache.record_hit(cold)
-            seq.cached = seq.cached_tokens = cold
-        elif tree > best and tree > seq.cached:
-            assert isinstance(self.runner, PagedRunner)
-            self.runner.adopt(seq.kv_id, blocks, tail_block, tail)
-            self.radix.record_hit(tree - seq.cached)
-            seq.cached = seq.cached_tokens = tree
-        elif source is not None and source.kv_id is not None and best > seq.cached:
-            self.runner.copy_prefix(seq.kv_id, source.kv_id, best)
-            self._shared_tokens += best - seq.cached
-            seq.cached = seq.cached_tokens = best
+        self.kv.share(seq, best, source, restore=restore)
 
     def _step_sync(self, prefill: list[tuple[Sequence, list[int]]], decode: list[Sequence]) -> dict[Sequence, _Sampled]:
         """Worker-thread part of a step: forward passes, cache updates, sampling."""
@@ -855,37 +492,13 @@ class LocalEngine:
             return {"type": "length", "length": len(seq.output_ids)}
         return None
 
-    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
-        seq.finish_reason = reason
-        seq.finished_at = time.monotonic()
-        seq.weight_version = self.weight_version
-        self._release(seq)
-        self._finished += 1
-        seq.changed.set()
-
-    def _release(self, seq: Sequence) -> None:
-        if seq.kv_id is not None:
-            self._retain(seq, seq.kv_id)
-            self.runner.release(seq.kv_id)
-        seq.kv_id = None
-        seq.cached = 0
-
     def _retain(self, seq: Sequence, kv_id: int) -> None:
-        """Keep a leaving sequence's computed prefix in the prefix cache (same weights epoch only)."""
-        if seq.kv_epoch != self._epoch or seq.cached < 2:
+        """Keep a leaving sequence's computed prefix for reuse (same weights epoch only)."""
+        if seq.kv_epoch != self.kv.epoch or seq.cached < 2:
             return
         if seq.abort_message is not None and seq.abort_message.startswith("internal error"):
             return  # a failed step: its cache may hold half-written positions
-        if self.radix is not None:
-            assert isinstance(self.runner, PagedRunner)
-            # with a window, what comes before the first released block (the sinks' blocks)
-            keep = min(seq.cached, self.runner.live_prefix(kv_id))
-            if keep >= 2:
-                self.radix.insert(seq.tokens()[:keep], self.runner.table(kv_id))
-            return
-        if not self.prefix_cache.enabled:
-            return
-        self.prefix_cache.insert(seq.tokens()[: seq.cached], lambda n: self.runner.export_prefix(kv_id, n), self._epoch)
+        self.kv.retain(seq.tokens(), kv_id, seq.cached)
 
     # ---------------------------------------------------------------- output
 
@@ -906,13 +519,6 @@ class LocalEngine:
         if seq.stop_trim_chars is not None and not params.no_stop_trim:
             text = text[: seq.stop_trim_chars]
         return text
-
-
-_common_prefix = common_prefix
-
-
-def _abort_reason(message: str) -> dict[str, Any]:
-    return {"type": "abort", "message": message, "status_code": 200, "err_type": None}
 
 
 def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -1,13 +1,15 @@
-"""The local engine's retained prefix cache: keys and values of finished sequences, kept for reuse.
+"""The retained tiers of copied-out keys and values (hot, int8, disk), below the local engine's KV store.
 
-When a sequence leaves the engine (finished, aborted or retracted) the keys and values of its cached
-tokens are copied out of its slot into an entry here, so the same prompt sent again, or the next turn
+The slot store (``local/kvstore.py``) uses all three: when a sequence leaves the engine (finished,
+aborted or retracted) the keys and values of its cached tokens are copied out of its row into an entry
+of the hot tier. The paged store keeps retained prefixes in their pool blocks (``local/radix.py``) and
+uses the int8 and disk tiers only, for what its tree evicts. Either way, the same prompt sent again, or the next turn
 of a multi-turn episode (whose prompt extends the last turn's prompt + output), copies that prefix
-back into its new slot instead of computing it: ``meta_info.cached_tokens`` reports how many.
+back into its new cache instead of computing it: ``meta_info.cached_tokens`` reports how many.
 
 Invariants:
 
-- An entry holds exactly ``len(tokens)`` positions, computed under one weights *epoch*; the engine
+- An entry holds exactly ``len(tokens)`` positions, computed under one weights *epoch*; the store
   bumps the epoch and clears the cache on every weight change, and :meth:`PrefixCache.lookup` ignores
   entries of another epoch, so no prefix computed under old weights is ever served.
 - The cache holds at most ``max_tokens`` tokens in all (``max_tokens x bytes_per_token`` bytes);

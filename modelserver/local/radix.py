@@ -3,7 +3,7 @@
 When a sequence leaves the engine, the blocks of what it computed are inserted into the tree: each node
 is one block, keyed under its parent by that block's ``block_size`` token ids (a partly filled last block
 is a leaf keyed by the tokens it holds), and holds a reference
-on the pool block (``PagedRunner.incref``), so the keys and values stay where they were computed, nothing
+on the pool block (``BlockPool.incref``), so the keys and values stay where they were computed, nothing
 is copied. A new sequence walks the tree with its prompt and *adopts* the blocks of the longest
 match, down to the token: the full blocks are shared and the first tokens of a partly matching block are
 copied into a block of its own: a GRPO group's later samples, the next turn of a multi-turn episode (each turn extends the last)
@@ -137,7 +137,7 @@ class BlockRadix:
                         self._drop_leaf(other)
                 child = _Node(key=key, block=block, parent=node)
                 node.children[key] = child
-                self.runner.incref(block)
+                self.runner.pool.incref(block)
                 self._nodes += 1
                 self._tokens += len(key)
                 added += 1
@@ -159,7 +159,7 @@ class BlockRadix:
         dropped = 0
         while leaves and dropped < blocks:
             _, _, node = heapq.heappop(leaves)
-            if free_only and self.runner.refcount(node.block) > 1:
+            if free_only and self.runner.pool.refcount(node.block) > 1:
                 continue
             if self.on_evict is not None:
                 keys, path_blocks = node.path()
@@ -176,7 +176,7 @@ class BlockRadix:
     def _drop_leaf(self, node: _Node) -> None:
         assert node.parent is not None and not node.children
         del node.parent.children[node.key]
-        self.runner.decref(node.block)
+        self.runner.pool.decref(node.block)
         self._nodes -= 1
         self._tokens -= len(node.key)
 
@@ -185,7 +185,7 @@ class BlockRadix:
         freeable: dict[int, bool] = {}
         total = 0
         for node in reversed(self._iter_nodes()):  # children before their parents
-            ok = self.runner.refcount(node.block) == 1 and all(freeable[id(c)] for c in node.children.values())
+            ok = self.runner.pool.refcount(node.block) == 1 and all(freeable[id(c)] for c in node.children.values())
             freeable[id(node)] = ok
             total += ok
         return total
@@ -203,7 +203,7 @@ class BlockRadix:
         """Release every block the tree holds; returns how many tokens it held."""
         held = self.tokens
         for node in self._iter_nodes():
-            self.runner.decref(node.block)
+            self.runner.pool.decref(node.block)
         self.root.children.clear()
         self._nodes = self._tokens = 0
         self._flushes += 1

@@ -1,6 +1,6 @@
 """Forward passes of a Llama-family causal LM over the local engine's KV cache (CPU, no grad).
 
-Two KV stores run the same forward pass (:meth:`_Runner.step`); only where keys and values live differs.
+Two KV stores run the same forward pass (:meth:`Runner.step`); only where keys and values live differs.
 
 - :class:`PagedRunner` (the default, ``kv_cache = "paged"``): one pool of fixed-size *blocks* per layer,
   ``(blocks x block_size, kv_heads, head_dim)``, bounded by ``max_tokens``. A sequence owns a *block
@@ -18,10 +18,10 @@ Two KV stores run the same forward pass (:meth:`_Runner.step`); only where keys 
 Both replace the earlier per-sequence cache (one tensor per sequence, re-padded into a batch at every
 step) that made the engine slower than plain ``transformers`` ``generate``.
 
-- :meth:`_Runner.step` packs prefill chunks of several sequences (chunked prefill: peak attention memory
+- :meth:`Runner.step` packs prefill chunks of several sequences (chunked prefill: peak attention memory
   ~ chunk x context, not context squared) and one decode token per running row into ONE forward pass.
-- :meth:`_Runner.copy_prefix` makes one sequence hold the first ``n`` cached positions of another.
-- :meth:`_Runner.export_prefix` / :meth:`_Runner.import_prefix` copy a sequence's first ``n`` positions
+- :meth:`Runner.copy_prefix` makes one sequence hold the first ``n`` cached positions of another.
+- :meth:`Runner.export_prefix` / :meth:`Runner.import_prefix` copy a sequence's first ``n`` positions
   out to a tensor and back (the int8 tier of ``local/prefix_cache.py``).
 
 The math is the model's own: embeddings, norms, MLPs, rotary embedding and projections are the Hugging
@@ -43,7 +43,6 @@ bf16 for SmolLM2-135M). Both stores grow on demand (doubling) up to their bound.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -52,12 +51,13 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from modelserver.local.blockpool import BlockPool, OutOfBlocks
 from modelserver.local.prefix_cache import common_prefix
 
 if TYPE_CHECKING:  # the layout the runner drives (SmolLM2 is a Llama)
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-__all__ = ["KV_CACHES", "OutOfBlocks", "PagedRunner", "SUPPORTED_MODEL_TYPES", "SlotRunner", "UnsupportedModel",
+__all__ = ["KV_CACHES", "OutOfBlocks", "PagedRunner", "Runner", "SUPPORTED_MODEL_TYPES", "SlotRunner", "UnsupportedModel",
            "build_runner"]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
@@ -79,16 +79,12 @@ class UnsupportedModel(ValueError):
     """The local backend cannot serve this architecture."""
 
 
-class OutOfBlocks(RuntimeError):
-    """The paged KV pool has no free block (the engine's admission control keeps this from happening)."""
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class _Runner:
+class Runner:
     """The forward pass shared by both KV stores; subclasses say where keys and values live."""
 
     def __init__(self, model: PreTrainedModel, *, attention_window: int | None = None, attention_sinks: int = 0) -> None:
@@ -316,7 +312,7 @@ class _Runner:
 
 
 
-class SlotRunner(_Runner):
+class SlotRunner(Runner):
     """Every sequence owns a row (a *slot*) of one ``(slots, kv_heads, capacity, head_dim)`` tensor per layer."""
 
     def __init__(self, model: PreTrainedModel, *, max_slots: int = 64, initial_capacity: int = 128,
@@ -432,85 +428,41 @@ class SlotRunner(_Runner):
         return write, self._sdpa(read)
 
 
-class PagedRunner(_Runner):
+class PagedRunner(Runner):
     """Sequences hold block tables into one pool of fixed-size KV blocks per layer; see the module docstring."""
 
     def __init__(self, model: PreTrainedModel, *, max_seqs: int = 64, max_tokens: int = 65536, block_size: int = 16,
                  initial_tokens: int = 4096, attention_window: int | None = None, attention_sinks: int = 0) -> None:
         super().__init__(model, attention_window=attention_window, attention_sinks=attention_sinks)
-        if block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {block_size}")
-        if max_tokens < block_size:
-            raise ValueError(f"the KV pool must hold at least one block: max_tokens {max_tokens} < block_size {block_size}")
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
+        self.pool = BlockPool(layers=len(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim,
+                              dtype=self.dtype, max_tokens=max_tokens, block_size=block_size,
+                              initial_tokens=initial_tokens)
+        """The blocks themselves: which are free, who holds them (``local/blockpool.py``)."""
         self.block_size = block_size
-        self.max_blocks = max_tokens // block_size
+        self.max_blocks = self.pool.max_blocks
         """The pool's bound in blocks (``max_tokens // block_size``)."""
         self.max_seqs = max_seqs
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self._blocks = 0  # allocated so far (the pool grows by doubling up to max_blocks)
-        self._ref: list[int] = []
-        self._free_blocks: list[int] = []  # a heap: the lowest free block first
         self._tables: dict[int, list[int]] = {}
         self._holes: dict[int, int] = {}
         """Per sequence: blocks released from its table (``HOLE``), ``table[sink_blocks : sink_blocks + holes]``."""
         self._free_ids = list(range(max_seqs))
-        self._grow(max(1, min(self.max_blocks, self.blocks_for(initial_tokens))))
         self.sink_blocks = self.blocks_for(self.sinks) if self.window is not None else 0
         """With a window: the leading blocks that hold attention sinks, never released."""
 
-    # -- blocks ----------------------------------------------------------------------------------
-    def _grow(self, blocks: int) -> None:
-        shape = (blocks * self.block_size, self.kv_heads, self.head_dim)
-        new_k, new_v = [], []
-        for layer in range(len(self.layers)):
-            k = torch.zeros(shape, dtype=self.dtype)
-            v = torch.zeros(shape, dtype=self.dtype)
-            if self.k:
-                rows = self.k[layer].shape[0]
-                k[:rows] = self.k[layer]
-                v[:rows] = self.v[layer]
-            new_k.append(k)
-            new_v.append(v)
-        for block in range(self._blocks, blocks):
-            heapq.heappush(self._free_blocks, block)
-        self._ref.extend([0] * (blocks - self._blocks))
-        self.k, self.v, self._blocks = new_k, new_v, blocks
-
-    def _alloc(self) -> int:
-        if not self._free_blocks and self._blocks < self.max_blocks:
-            self._grow(min(self.max_blocks, 2 * self._blocks))
-        if not self._free_blocks:
-            raise OutOfBlocks(f"all {self.max_blocks} KV blocks ({self.max_blocks * self.block_size} tokens) are in use")
-        block = heapq.heappop(self._free_blocks)
-        self._ref[block] = 1
-        return block
-
-    def incref(self, block: int) -> None:
-        self._ref[block] += 1
-
-    def decref(self, block: int) -> None:
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            heapq.heappush(self._free_blocks, block)
-
-    def refcount(self, block: int) -> int:
-        return self._ref[block]
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return self.pool.k
 
     @property
-    def free_blocks(self) -> int:
-        """Blocks not held by any sequence or the prefix tree (including those not allocated yet)."""
-        return len(self._free_blocks) + self.max_blocks - self._blocks
-
-    @property
-    def used_blocks(self) -> int:
-        return self.max_blocks - self.free_blocks
+    def v(self) -> list[torch.Tensor]:
+        return self.pool.v
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return self.pool.blocks_for(tokens)
 
+    # -- block tables ------------------------------------------------------------------------------
     def table(self, seq: int) -> list[int]:
         """The blocks holding ``seq``'s positions, in order (a copy; ``HOLE`` where a window released one)."""
         return list(self._tables[seq])
@@ -533,7 +485,7 @@ class PagedRunner(_Runner):
         released = 0
         for b in range(start, end):
             if table[b] != HOLE:
-                self.decref(table[b])
+                self.pool.decref(table[b])
                 table[b] = HOLE
                 released += 1
         if end > start:
@@ -557,8 +509,7 @@ class PagedRunner(_Runner):
         return (self.sink_blocks if self._holes.get(seq, 0) else len(table)) * self.block_size
 
     def cache_bytes(self) -> int:
-        """Bytes the pool has allocated (its bound: ``max_blocks x block_size x bytes_per_token``)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.pool.cache_bytes()
 
     # -- sequences ---------------------------------------------------------------------------------
     def acquire(self) -> int:
@@ -578,14 +529,14 @@ class PagedRunner(_Runner):
     def _drop_table(self, seq: int) -> None:
         for block in self._tables[seq]:
             if block != HOLE:
-                self.decref(block)
+                self.pool.decref(block)
         self._tables[seq] = []
         self._holes.pop(seq, None)
 
     def _reserve(self, seq: int, end: int) -> None:
         table = self._tables[seq]
         while len(table) * self.block_size < end:
-            table.append(self._alloc())
+            table.append(self.pool.alloc())
 
     @torch.inference_mode()
     def adopt(self, seq: int, blocks: list[int], tail_block: int = -1, tail: int = 0) -> None:
@@ -594,12 +545,12 @@ class PagedRunner(_Runner):
         self._drop_table(seq)
         for block in blocks:
             if block != HOLE:
-                self.incref(block)
+                self.pool.incref(block)
         self._tables[seq] = list(blocks)
         if HOLE in blocks:  # a prefix of a sequence whose window released blocks (see can_share)
             self._holes[seq] = blocks.count(HOLE)
         if tail:
-            block = self._alloc()
+            block = self.pool.alloc()
             self._tables[seq].append(block)
             a, b = tail_block * self.block_size, block * self.block_size
             for k, v in zip(self.k, self.v):

@@ -55,22 +55,22 @@ def test_blocks_are_shared_reference_counted_and_bounded(model) -> None:  # type
     runner = PagedRunner(model, max_seqs=4, max_tokens=4 * 8, block_size=4, initial_tokens=4)
     a, b = runner.acquire(), runner.acquire()
     runner.prefill(a, 0, list(range(10, 20)))  # 10 tokens: blocks 0..2 (the last one half full)
-    assert len(runner.table(a)) == 3 and runner.free_blocks == 5
+    assert len(runner.table(a)) == 3 and runner.pool.free_blocks == 5
     runner.copy_prefix(b, a, 10)
     shared, own = runner.table(b)[:2], runner.table(b)[2]
     assert shared == runner.table(a)[:2] and own != runner.table(a)[2]  # full blocks shared, the partial one copied
-    assert [runner.refcount(x) for x in shared] == [2, 2] and runner.free_blocks == 4
+    assert [runner.pool.refcount(x) for x in shared] == [2, 2] and runner.pool.free_blocks == 4
     for layer in range(len(runner.k)):  # the copied half block holds the source's keys and values
         src, dst = runner.table(a)[2] * 4, own * 4
         assert torch.equal(runner.k[layer][dst:dst + 2], runner.k[layer][src:src + 2])
     runner.release(a)
-    assert [runner.refcount(x) for x in shared] == [1, 1] and runner.free_blocks == 5  # a's own block came back
+    assert [runner.pool.refcount(x) for x in shared] == [1, 1] and runner.pool.free_blocks == 5  # a's own block came back
     c = runner.acquire()
     with pytest.raises(OutOfBlocks, match="8 KV blocks"):
         runner.prefill(c, 0, list(range(30)))  # 8 blocks wanted, 5 free
     runner.release(b)
     runner.release(c)
-    assert runner.free_blocks == runner.max_blocks == 8  # nothing leaked
+    assert runner.pool.free_blocks == runner.max_blocks == 8  # nothing leaked
 
 
 def test_radix_tree_matches_to_the_token_evicts_lru_and_releases_everything(model) -> None:  # type: ignore[no-untyped-def]
@@ -82,7 +82,7 @@ def test_radix_tree_matches_to_the_token_evicts_lru_and_releases_everything(mode
     table = runner.table(seq)
     assert tree.insert(tokens, table) == 3 and tree.tokens == 10 and tree.blocks == 3
     runner.release(seq)
-    assert runner.used_blocks == 3  # the tree holds them now
+    assert runner.pool.used_blocks == 3  # the tree holds them now
     blocks, tail_block, tail = tree.match(tokens + [99], limit=10)
     assert (blocks, tail_block, tail) == (table[:2], table[2], 2)
     assert tree.match(tokens[:6] + [77, 78], limit=8) == (table[:1], table[1], 2)  # 1 full block + 2 tokens of the next
@@ -97,7 +97,7 @@ def test_radix_tree_matches_to_the_token_evicts_lru_and_releases_everything(mode
     assert tree.evict(1) == 1 and tree.match(tokens, limit=10)[2] == 0  # the first prefix's tail leaf went
     runner.release(other)
     assert tree.evictable() == 4
-    assert tree.clear() == 8 + 8 and runner.free_blocks == runner.max_blocks  # nothing leaked
+    assert tree.clear() == 8 + 8 and runner.pool.free_blocks == runner.max_blocks  # nothing leaked
 
 
 def test_the_trees_own_bound_evicts_and_feeds_the_int8_tier(model) -> None:  # type: ignore[no-untyped-def]
@@ -111,7 +111,7 @@ def test_the_trees_own_bound_evicts_and_feeds_the_int8_tier(model) -> None:  # t
     assert tree.blocks == 2 and evicted == [(list(range(12)), table)]  # the deepest leaf, with its whole prefix
     runner.release(seq)
     tree.clear()
-    assert runner.free_blocks == runner.max_blocks
+    assert runner.pool.free_blocks == runner.max_blocks
 
 
 # ------------------------------------------------------------------------ in the engine
@@ -161,7 +161,7 @@ async def test_a_group_shares_its_prompt_blocks(model, tok) -> None:  # type: ig
         full = (len(prompt) - 1) // 4
         tables = [runner.table(s.kv_id) for s in group if s.kv_id is not None and not s.finished]
         assert len(tables) == 8 and all(t[:full] == tables[0][:full] for t in tables)  # the same pool blocks
-        assert all(runner.refcount(b) >= 8 for b in tables[0][:full])
+        assert all(runner.pool.refcount(b) >= 8 for b in tables[0][:full])
         await asyncio.gather(*(_finish(s) for s in group))
     finally:
         await engine.aclose()
