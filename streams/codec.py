@@ -44,6 +44,40 @@ class Envelope:
     producer: str
 
 
+HEADER_MESSAGE_ID = "message_id"
+HEADER_TRACEPARENT = "traceparent"
+"""The record headers every transport writes: the envelope's id, and the W3C trace context when traced."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class DecodedRecord:
+    """What every transport's consumed record holds: where it came from and its decoded envelope.
+
+    Each transport subclasses it with its own ``ack()`` and ``dead_letter()`` (``streams.protocols.EventRecord``).
+    """
+
+    envelope: Envelope
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    headers: dict[str, bytes]
+    timestamp_ms: int
+
+    @property
+    def message(self) -> Message:
+        return self.envelope.message
+
+    @property
+    def message_id(self) -> str:
+        return self.envelope.id
+
+    @property
+    def traceparent(self) -> str | None:
+        raw = self.headers.get(HEADER_TRACEPARENT)
+        return raw.decode("ascii", "replace") if raw else None
+
+
 def new_message_id() -> str:
     return uuid.uuid4().hex
 

@@ -35,7 +35,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from engine.config import KafkaConfig, check_files
 from engine.schemas import DeadLetter, Message
-from streams.codec import DecodeError, Envelope, decode, encode
+from streams.codec import HEADER_MESSAGE_ID, HEADER_TRACEPARENT, DecodedRecord, DecodeError, Envelope, decode, encode
 from streams.kafka_admin import ensure_topics
 from streams.kafka_client import StreamError, _connect_error, _construct, client_security, kafka_reason
 from streams.offsets import OffsetTracker
@@ -43,8 +43,6 @@ from streams.protocols import EventProducer
 
 log = logging.getLogger("rollout.streams.kafka")
 
-HEADER_MESSAGE_ID = "message_id"
-HEADER_TRACEPARENT = "traceparent"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -242,32 +240,12 @@ class Producer:
 
 # -- consumer ---------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(slots=True)
-class Record:
+@dataclasses.dataclass(eq=False, slots=True)
+class Record(DecodedRecord):
     """A decoded record handed to a consumer's caller; ``ack()`` once its effects are durable."""
 
-    envelope: Envelope
-    topic: str
-    partition: int
-    offset: int
-    key: str | None
-    headers: dict[str, bytes]
-    timestamp_ms: int
     _consumer: "Consumer"
     _acked: bool = False
-
-    @property
-    def message(self) -> Message:
-        return self.envelope.message
-
-    @property
-    def message_id(self) -> str:
-        return self.envelope.id
-
-    @property
-    def traceparent(self) -> str | None:
-        raw = self.headers.get(HEADER_TRACEPARENT)
-        return raw.decode("ascii", "replace") if raw else None
 
     def ack(self) -> None:
         """Mark the record processed: its offset may now be committed. Idempotent."""

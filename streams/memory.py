@@ -32,14 +32,12 @@ import anyio
 
 from engine.config import NatsConfig
 from engine.schemas import DeadLetter, Message
-from streams.codec import DecodeError, Envelope, decode, encode
+from streams.codec import HEADER_MESSAGE_ID, DecodedRecord, DecodeError, decode, encode
 from streams.offsets import OffsetTracker
 from streams.protocols import EventProducer, TransportError
 
 logger = logging.getLogger("rollout.streams.memory")
 
-HEADER_MESSAGE_ID = "message_id"
-HEADER_TRACEPARENT = "traceparent"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,32 +180,12 @@ class MemoryProducer:
         self._closed = True
 
 
-@dataclasses.dataclass(eq=False)
-class MemoryRecord:
+@dataclasses.dataclass(eq=False, slots=True)
+class MemoryRecord(DecodedRecord):
     """A consumed record; the same surface as ``streams.kafka.Record``."""
 
-    envelope: Envelope
-    topic: str
-    partition: int
-    offset: int
-    key: str | None
-    headers: dict[str, bytes]
-    timestamp_ms: int
     _consumer: "MemoryConsumer"
     _acked: bool = False
-
-    @property
-    def message(self) -> Message:
-        return self.envelope.message
-
-    @property
-    def message_id(self) -> str:
-        return self.envelope.id
-
-    @property
-    def traceparent(self) -> str | None:
-        raw = self.headers.get(HEADER_TRACEPARENT)
-        return raw.decode("ascii", "replace") if raw else None
 
     def ack(self) -> None:
         if not self._acked:
