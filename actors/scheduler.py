@@ -39,7 +39,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -570,7 +570,7 @@ class SourcedTask:
     max_new_tokens: int | None = None
     """The domain's generation budget; None: ``inference.max_new_tokens``."""
     tools: tuple[dict[str, Any], ...] = ()
-    """Tools declared to the model (the domain's ``tools``; a JSONL row's own ``tools``)."""
+    """Tools declared to the model (the domain's ``tools``; a task file row's own ``tools``)."""
 
 
 class TaskSource(Protocol):
@@ -598,48 +598,6 @@ class GeneratorSource:
         return SourcedTask(domain=self._domain.name, prompt=prompt, spec=spec, max_turns=self._domain.turns(spec),
                            difficulty=difficulty, stop=self._domain.stop, max_new_tokens=self._domain.budget(spec),
                            tools=self._domain.tools)
-
-
-class JsonlSource:
-    """Tasks from a JSONL file, one per line: ``{"domain", "prompt", "spec", "max_turns"?, "tools"?}``; read once.
-
-    ``tools`` (a list of function schemas) replaces the domain's own for that row."""
-
-    def __init__(self, path: str | Path, name: str | None = None) -> None:
-        self.path = Path(path)
-        self.name = name or f"file:{self.path.name}"
-        self.domain: str | None = None
-        self._lines: Iterator[tuple[int, dict[str, Any]]] | None = None
-
-    def _read(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        with self.path.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield lineno, json.loads(line)
-
-    def next(self, difficulty: float) -> SourcedTask | None:
-        if self._lines is None:
-            self._lines = self._read()
-        item = next(self._lines, None)
-        if item is None:
-            return None
-        lineno, row = item
-        where = f"{self.path}:{lineno}"
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected a JSON object")
-        missing = [k for k in ("domain", "prompt", "spec") if k not in row]
-        if missing:
-            raise ValueError(f"{where}: missing {', '.join(missing)}")
-        domain = DOMAINS.get(row["domain"])
-        max_turns = int(row.get("max_turns", domain.turns(row["spec"]) if domain else 1))
-        tools = row.get("tools", list(domain.tools) if domain else [])
-        if not isinstance(tools, list) or not all(
-                isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")
-                for t in tools):
-            raise ValueError(f'{where}: field tools: a list of {{"type": "function", "function": {{"name", ...}}}}')
-        return SourcedTask(domain=row["domain"], prompt=row["prompt"], spec=row["spec"], max_turns=max_turns,
-                           stop=domain.stop if domain else (), max_new_tokens=domain.max_new_tokens if domain else None,
-                           tools=tuple(tools))
 
 
 class TaskFileSource:
@@ -682,7 +640,8 @@ class TaskFileSource:
         spec = dict(task.spec, task_file_id=task.id, task_file=self.name)
         return SourcedTask(domain=task.domain, prompt=task.prompt, spec=spec,
                            max_turns=task.max_turns or domain.turns(spec), stop=domain.stop,
-                           max_new_tokens=domain.budget(spec), tools=domain.tools)
+                           max_new_tokens=domain.budget(spec),
+                           tools=task.tools if task.tools is not None else domain.tools)
 
 
 # -- the actor -------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-TASK_FIELDS = ("id", "domain", "prompt", "messages", "answer", "tests", "files", "metadata", "max_turns", "spec")
+TASK_FIELDS = ("id", "domain", "prompt", "messages", "answer", "tests", "files", "metadata", "max_turns", "tools",
+               "spec")
 """The canonical fields of a task row; a field mapping renames a file's columns onto these."""
 
 
@@ -48,6 +49,8 @@ class UserTask:
     messages: tuple[dict[str, str], ...] = ()
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_turns: int | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+    """Function schemas declared to the model for this task, in place of its domain's (None: the domain's)."""
     row: int = 0
 
 
@@ -351,8 +354,15 @@ def parse_row(raw: Any, where: str, *, known_domains: Iterable[str], default_dom
     max_turns = row.get("max_turns")
     if max_turns is not None and (not isinstance(max_turns, int) or max_turns < 1):
         raise TaskFileError(f"{where}: field 'max_turns': expected a positive integer")
+    tools = row.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(
+            isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and t["function"].get("name")
+            for t in tools)):
+        raise TaskFileError(f'{where}: field \'tools\': expected a list of {{"type": "function", "function": '
+                            f'{{"name", ...}}}} objects')
     return UserTask(id=str(row.get("id", "")), domain=domain, prompt=prompt, spec=spec,
-                    messages=tuple(dict(m) for m in messages), metadata=dict(metadata), max_turns=max_turns)
+                    messages=tuple(dict(m) for m in messages), metadata=dict(metadata), max_turns=max_turns,
+                    tools=tuple(dict(t) for t in tools) if tools is not None else None)
 
 
 class TaskFile:

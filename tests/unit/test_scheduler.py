@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from domains import DOMAINS
-from actors.scheduler import Admission, Curriculum, DomainMixer, GeneratorSource, JsonlSource, LearnerStatus
+from actors.scheduler import Admission, Curriculum, DomainMixer, GeneratorSource, LearnerStatus, TaskFileSource
 
 
 def test_admission_rule() -> None:
@@ -99,17 +99,20 @@ def test_generator_source_is_seeded() -> None:
     assert t.max_turns == t.spec["max_turns"]
 
 
-def test_jsonl_source(tmp_path: Path) -> None:
+def test_a_task_file_source_issues_each_row_once_with_its_domains_settings(tmp_path: Path) -> None:
     path = tmp_path / "tasks.jsonl"
-    rows = [{"domain": "arith", "prompt": "1+1=", "spec": {"answer": "2"}},
-            {"domain": "custom", "prompt": "say x", "spec": {"answer": "x"}, "max_turns": 2}]
+    rows = [{"domain": "arith", "prompt": "1+1=", "answer": "2"},
+            {"domain": "docqa", "prompt": "say x", "answer": "x", "max_turns": 2}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    src = JsonlSource(path)
+    src = TaskFileSource(path)
     first, second = src.next(0.0), src.next(0.0)
     assert first is not None and (first.domain, first.prompt, first.stop) == ("arith", "1+1=", ("\n",))
-    assert second is not None and (second.domain, second.max_turns, second.stop) == ("custom", 2, ())
+    assert second is not None and (second.domain, second.max_turns, second.stop) == ("docqa", 2, DOMAINS["docqa"].stop)
     assert src.next(0.0) is None
     bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"domain": "custom", "prompt": "say x", "answer": "x"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: field 'domain': unknown domain 'custom'"):
+        TaskFileSource(bad)
     bad.write_text(json.dumps({"domain": "arith"}) + "\n")
-    with pytest.raises(ValueError, match="bad.jsonl:1: missing prompt, spec"):
-        JsonlSource(bad).next(0.0)
+    with pytest.raises(ValueError, match="bad.jsonl:1: field 'prompt'"):
+        TaskFileSource(bad)

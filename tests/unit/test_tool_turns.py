@@ -24,7 +24,8 @@ from domains import DOMAINS
 from actors.inference.actor import OBSERVATION_LIMIT, format_observation, observation_ids, observation_text
 from modelserver.llm import build_char_tokenizer, render_observation, render_prompt
 from actors.runtime import Runtime
-from actors.scheduler import GeneratorSource, JsonlSource, SchedulerActor
+from actors.scheduler import GeneratorSource, SchedulerActor, TaskFileSource
+from engine.tasks import TaskFileError
 from engine.tools import BUILTIN_TOOLS, parse_tool_calls, render_tool_messages
 from engine.config import EngineConfig
 from engine.schemas import SandboxResult, SchemaError, Task
@@ -77,15 +78,16 @@ def test_sources_and_the_scheduler_carry_the_domains_tools(tmp_path: Path) -> No
 
     own = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
     path = tmp_path / "tasks.jsonl"
-    rows = [{"domain": "repo", "prompt": "p", "spec": {"template": "add_k", "k": 2, "seed": 1}},
-            {"domain": "repo", "prompt": "p", "spec": {}, "tools": own},
-            {"domain": "arith", "prompt": "1+1=", "spec": {"answer": "2"}},
-            {"domain": "repo", "prompt": "p", "spec": {}, "tools": [{"function": {}}]}]
+    rows = [{"domain": "repo", "prompt": "p", "answer": "x"},
+            {"domain": "repo", "prompt": "p", "answer": "x", "tools": own},
+            {"domain": "arith", "prompt": "1+1=", "answer": "2"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    source = JsonlSource(path)
+    source = TaskFileSource(path)
     assert [source.next(0.0).tools for _ in range(3)] == [tuple(BUILTIN_TOOLS), tuple(own), ()]  # type: ignore[union-attr]
-    with pytest.raises(ValueError, match=r"tasks\.jsonl:4: field tools"):
-        source.next(0.0)
+    rows.append({"domain": "repo", "prompt": "p", "answer": "x", "tools": [{"function": {}}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(TaskFileError, match=r"tasks\.jsonl:4: field 'tools': expected a list of"):
+        TaskFileSource(path)
 
 
 # -- one rendering of a step's observation -----------------------------------------------------------------
