@@ -431,7 +431,7 @@ class RewardActor(StreamActor):
 
     async def put_stats(self) -> None:
         """Write the statistics snapshot to the control KV bucket."""
-        nats = self.rt.require_nats()
+        nats = self.rt.require_control()
         await nats.kv_put(self.rt.kv_bucket, REWARD_STATS_KEY, json.dumps(self.snapshot()).encode())
 
     async def serve(self) -> None:

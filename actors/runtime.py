@@ -130,10 +130,6 @@ class Runtime:
             raise TransportError("this role needs the control store but the runtime was built without it")
         return self.control
 
-    def require_nats(self) -> ControlStore:
-        """``require_control`` under its old name."""
-        return self.require_control()
-
 
 class Released(Exception):
     """Raised by a handler to give its record back unhandled: it is neither acknowledged nor dead-lettered,

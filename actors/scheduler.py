@@ -708,7 +708,7 @@ class SchedulerActor(Actor):
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
-        saved = await self.rt.require_nats().kv_get(self._bucket, self._status_key)
+        saved = await self.rt.require_control().kv_get(self._bucket, self._status_key)
         if saved:
             status = json.loads(saved)
             self.admitted_samples = int(status.get("admitted_samples", 0))
@@ -725,7 +725,7 @@ class SchedulerActor(Actor):
             log.info("%s: resuming at %d tasks / %d samples admitted", self.name, self.tasks_admitted,
                      self.admitted_samples)
         await self._skip_issued_rows()
-        self.learner = LearnerStatus.from_json(await self.rt.require_nats().kv_get(self._bucket,
+        self.learner = LearnerStatus.from_json(await self.rt.require_control().kv_get(self._bucket,
                                                                                     Names.LEARNER_VERSION_KEY))
 
     async def _skip_issued_rows(self) -> None:
@@ -905,7 +905,7 @@ class SchedulerActor(Actor):
 
     # -- watchers ------------------------------------------------------------------------------
     async def _watch_learner(self) -> None:
-        async for raw in self.rt.require_nats().kv_watch(self._bucket, Names.LEARNER_VERSION_KEY):
+        async for raw in self.rt.require_control().kv_watch(self._bucket, Names.LEARNER_VERSION_KEY):
             try:
                 status = LearnerStatus.from_json(raw)
             except (ValueError, TypeError) as exc:
@@ -918,7 +918,7 @@ class SchedulerActor(Actor):
             self._notify()
 
     async def _watch_stats(self) -> None:
-        async for raw in self.rt.require_nats().kv_watch(self._bucket, REWARD_STATS_KEY):
+        async for raw in self.rt.require_control().kv_watch(self._bucket, REWARD_STATS_KEY):
             try:
                 snapshot = json.loads(raw)
                 if not isinstance(snapshot, dict):
@@ -930,7 +930,7 @@ class SchedulerActor(Actor):
             self._notify()
 
     async def _watch_eval(self) -> None:
-        async for raw in self.rt.require_nats().kv_watch(self._bucket, Names.EVAL_STATUS_KEY):
+        async for raw in self.rt.require_control().kv_watch(self._bucket, Names.EVAL_STATUS_KEY):
             try:
                 domains = json.loads(raw)["domains"]
                 regressed = {d for d, e in domains.items() if isinstance(e, dict) and e.get("regressed")}
@@ -978,7 +978,7 @@ class SchedulerActor(Actor):
     async def put_status(self) -> None:
         """Write the scheduler's counters to the control KV bucket."""
         tasks = self.tasks_admitted
-        await self.rt.require_nats().kv_put(self._bucket, self._status_key, json.dumps(self.status()).encode())
+        await self.rt.require_control().kv_put(self._bucket, self._status_key, json.dumps(self.status()).encode())
         self._status_written = tasks
 
     def status(self) -> dict[str, Any]:

@@ -1033,16 +1033,6 @@ def _demo_sample(prompt_ids: list[int], completion_ids: list[int]) -> Experience
                       weight_versions=np.zeros(n, dtype=np.int32), reward=0.0, advantage=1.0, group_size=1)
 
 
-def mean_logprob(model: PreTrainedModel, samples: Sequence[Experience], pad_id: int = 0) -> float:
-    """Mean loss-masked response logprob of ``samples`` under ``model`` (evaluation helper)."""
-    batch = collate(samples, pad_id)
-    with torch.no_grad():
-        logp = response_logprobs(model, batch)
-    m = batch.loss_mask.to(logp.dtype)
-    value = float((logp * m).sum() / m.sum().clamp_min(1.0))
-    return value if math.isfinite(value) else float("-inf")
-
-
 def score_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], response_ids: Sequence[int],
                  temperature: float) -> list[float]:
     """The learner's log-probs of ``response_ids`` after ``prompt_ids`` at ``temperature``, one sample alone.

@@ -85,7 +85,7 @@ async def test_tasks_in_chunks_and_completions_out_with_a_weight_update_mid_run(
                         r.ack()
                     if not published and chunks:
                         # generation is under way: publish version 1 through NATS
-                        await WeightPublisher(rt.require_nats(), names).publish(1, v1_files)
+                        await WeightPublisher(rt.require_control(), names).publish(1, v1_files)
                         published = True
             actor = sup.actors["inference"]
             stats = actor.statistics()
@@ -155,7 +155,7 @@ async def test_a_task_admitted_at_a_newer_version_waits_for_those_weights(
 
             await until(2)  # the version-0 task is done; the version-1 task has been held all along
             assert set(completions) == {"now/0", "now/1"} and chunks["next"] == 0
-            await WeightPublisher(rt.require_nats(), names).publish(1, _perturbed_copy(model_dir, tmp_path / "v1"))
+            await WeightPublisher(rt.require_control(), names).publish(1, _perturbed_copy(model_dir, tmp_path / "v1"))
             await until(4)
             sup.drain()
     held = [completions["next/0"], completions["next/1"]]
@@ -201,7 +201,7 @@ async def test_a_draining_actor_gives_back_a_task_still_waiting_for_weights(
             assert stats["handled"] == 1 and set(completions) == {"now/0", "now/1"}
             assert first.actors["inference"].statistics()["released"] == 1
 
-            await WeightPublisher(rt.require_nats(), names).publish(1, _perturbed_copy(model_dir, tmp_path / "v1"))
+            await WeightPublisher(rt.require_control(), names).publish(1, _perturbed_copy(model_dir, tmp_path / "v1"))
             second = Supervisor(RestartPolicy(max_restarts=0), drain_timeout_s=30)
             second.add("inference", lambda: InferenceActor(rt, [url], tokenizer, weights_dir=tmp_path / "w2"))
             async with anyio.create_task_group() as tg:
@@ -242,7 +242,7 @@ async def test_without_partial_rollouts_an_update_waits_for_the_generations_in_f
                         if isinstance(r.message, Completion):
                             completions[r.message.sample_id] = r.message
                         elif not published:  # the first tokens: generation is under way
-                            await WeightPublisher(rt.require_nats(), names).publish(1, v1_files)
+                            await WeightPublisher(rt.require_control(), names).publish(1, v1_files)
                             published = True
                         r.ack()
             stats = sup.actors["inference"].statistics()

@@ -210,7 +210,7 @@ async def test_a_crash_after_a_checkpoint_neither_loses_nor_retrains_a_sample(
         actor = LearnerActor(rt, model_dir, on_step=life_two.append)
         with anyio.fail_after(120):
             await actor.run()  # returns at max_steps
-        status = json.loads(await rt.require_nats().kv_get(rt.kv_bucket, Names.LEARNER_VERSION_KEY))
+        status = json.loads(await rt.require_control().kv_get(rt.kv_bucket, Names.LEARNER_VERSION_KEY))
 
     assert actor.resumed_from is not None and actor.resumed_from.name == "step-00000002-v000002"
     assert [r.step for r in life_two] == [3, 4, 5, 6, 7]
@@ -240,7 +240,7 @@ async def test_weights_are_published_with_matching_digests_and_the_status_key_is
     cfg = make_cfg(kafka_bootstrap, nats_url, unique_name, tmp_path, max_staleness=4, publish_every=2, max_steps=2)
     seen_versions: list[int] = []
     async with Runtime(cfg) as rt:
-        sub = WeightSubscriber(rt.require_nats(), rt.names, tmp_path / "fetched", timeout_s=30)
+        sub = WeightSubscriber(rt.require_control(), rt.names, tmp_path / "fetched", timeout_s=30)
 
         async def watch() -> None:
             async for manifest in sub.manifests():
@@ -257,10 +257,10 @@ async def test_weights_are_published_with_matching_digests_and_the_status_key_is
                 await actor.run()  # returns at max_steps
             await wait_until(lambda: seen_versions[-1:] == [1], 30, "manifest of version 1")
             tg.cancel_scope.cancel()
-        manifest = await WeightPublisher(rt.require_nats(), rt.names).latest()
+        manifest = await WeightPublisher(rt.require_control(), rt.names).latest()
         assert manifest is not None
         vdir = await sub.fetch(manifest)
-        raw_status = await rt.require_nats().kv_get(rt.kv_bucket, Names.LEARNER_VERSION_KEY)
+        raw_status = await rt.require_control().kv_get(rt.kv_bucket, Names.LEARNER_VERSION_KEY)
 
     assert seen_versions == sorted(set(seen_versions)) and seen_versions[-1] == 1
     assert (manifest.version, manifest.step) == (1, 2)
@@ -320,7 +320,7 @@ async def test_the_learner_and_weight_watchers_use_the_configured_buckets(
     cfg = cfg.model_copy(update={"nats": cfg.nats.model_copy(update={"kv_bucket": "ctl-custom",
                                                                      "weights_bucket": "w-custom"})})
     async with Runtime(cfg) as rt:
-        nats = rt.require_nats()
+        nats = rt.require_control()
         for i in range(4):
             exp = experience(f"s{i}", [0] * 4)
             await rt.producer.send(rt.names.experience, exp, key=exp.task_id, partition=0)

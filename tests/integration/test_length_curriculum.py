@@ -32,7 +32,7 @@ async def test_scheduler_issues_longer_documents_after_successes(
     tasks: list[Task] = []
     async with Runtime(cfg) as rt:
         bucket = rt.names.bucket(cfg.nats.kv_bucket)
-        nats = rt.require_nats()
+        nats = rt.require_control()
         actor = SchedulerActor(rt)
 
         async def step(version: int, count: int, success: float) -> None:

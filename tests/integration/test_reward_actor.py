@@ -100,7 +100,7 @@ async def test_groups_zero_variance_and_stragglers(kafka_bootstrap: str, nats_ur
             async def stats_written() -> None:
                 with anyio.fail_after(10):
                     while True:
-                        raw = await rt.require_nats().kv_get(bucket, REWARD_STATS_KEY)
+                        raw = await rt.require_control().kv_get(bucket, REWARD_STATS_KEY)
                         if raw and json.loads(raw)["domains"].get("arith", {}).get("stragglers") == 1:
                             stats.update(json.loads(raw)["domains"]["arith"])
                             return

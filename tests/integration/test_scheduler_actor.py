@@ -38,7 +38,7 @@ async def test_admission_stops_at_the_bound_and_resumes_with_the_version(
     keys: list[str | None] = []
     async with Runtime(cfg) as rt:
         bucket = rt.names.bucket(cfg.nats.kv_bucket)
-        nats = rt.require_nats()
+        nats = rt.require_control()
 
         async def learner_at(version: int) -> None:
             status = {"version": version, "step": version, "consumed": version * 4}

@@ -286,7 +286,7 @@ async def test_runtime_on_nats_creds_in_operator_mode(operator_nats: SecureNatsS
     files = sorted(model.iterdir())
     async with Runtime(cfg) as rt:
         await rt.producer.send(rt.names.dlq, letter(2), key="k")
-        nats = rt.require_nats()
+        nats = rt.require_control()
         await nats.kv_put(rt.names.bucket("control"), "hello", b"world")
         assert await nats.kv_get(rt.names.bucket("control"), "hello") == b"world"
         manifest = await WeightPublisher(nats, rt.names).publish(1, files)

@@ -48,7 +48,7 @@ async def test_task_file_rows_issued_once_across_a_restart(
     async with Runtime(first_cfg) as rt:
         with anyio.fail_after(30):
             await SchedulerActor(rt).run()  # stops after max_tasks=4
-        saved = json.loads(await rt.require_nats().kv_get(rt.names.bucket(first_cfg.nats.kv_bucket),
+        saved = json.loads(await rt.require_control().kv_get(rt.names.bucket(first_cfg.nats.kv_bucket),
                                                           SCHEDULER_STATUS_KEY) or b"{}")
         assert saved["source_positions"] == {"file:mine.jsonl": 4}
 
@@ -74,7 +74,7 @@ async def test_rows_issued_after_the_last_status_are_not_issued_again(
     async with Runtime(first_cfg) as rt:
         with anyio.fail_after(30):
             await SchedulerActor(rt).run()
-        bucket, store = rt.names.bucket(first_cfg.nats.kv_bucket), rt.require_nats()
+        bucket, store = rt.names.bucket(first_cfg.nats.kv_bucket), rt.require_control()
         saved = json.loads(await store.kv_get(bucket, SCHEDULER_STATUS_KEY) or b"{}")
         assert saved["tasks_offsets"] == {"0": 4}
         # the status as it was after the first task: three rows issued since were never recorded
@@ -106,7 +106,7 @@ async def test_replicas_keep_their_own_positions_across_a_restart(
                 await SchedulerActor(rt).run()
     cfg = _cfg(kafka_bootstrap, nats_url, unique_name, path, 100)
     async with Runtime(cfg) as rt:
-        bucket, store = rt.names.bucket(cfg.nats.kv_bucket), rt.require_nats()
+        bucket, store = rt.names.bucket(cfg.nats.kv_bucket), rt.require_control()
         positions = [json.loads(await store.kv_get(bucket, scheduler_status_key(r)) or b"{}")["source_positions"]
                      for r in (0, 1)]
         assert positions == [{"file:shared.jsonl": 1}, {"file:shared.jsonl": 2}]

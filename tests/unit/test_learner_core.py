@@ -14,7 +14,6 @@ from learning.core import (
     Learner,
     SeenIds,
     collate,
-    mean_logprob,
     pack,
     packed_logprobs,
     policy_loss,
@@ -27,6 +26,16 @@ from engine.config import LearnerConfig
 from engine.schemas import Experience
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def mean_logprob(model, samples: list[Experience], pad_id: int = 0) -> float:  # type: ignore[no-untyped-def]
+    """Mean loss-masked response logprob of ``samples`` under ``model`` (how these tests see what a step did)."""
+    batch = collate(samples, pad_id)
+    with torch.no_grad():
+        logp = response_logprobs(model, batch)
+    m = batch.loss_mask.to(logp.dtype)
+    value = float((logp * m).sum() / m.sum().clamp_min(1.0))
+    return value if math.isfinite(value) else float("-inf")
 
 
 @pytest.fixture
