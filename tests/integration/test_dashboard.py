@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,27 +28,11 @@ pytestmark = pytest.mark.anyio
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-class FakeRewardActor(Actor):
-    """Statistics that move: two domains' rewards, handled/emitted counters, an in-flight gauge."""
+class FakeActor(Actor):
+    """A role's actor whose statistics move on every read: ``moves(tick)`` gives the role's own figures."""
 
-    role: ClassVar[str] = "reward"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ticks = 0
-
-    def statistics(self) -> dict[str, Any]:
-        self.ticks += 1
-        n = self.ticks
-        stats = super().statistics()
-        stats.update(handled=10 * n, emitted=8 * n, in_flight=n % 5, lag=100 - n % 50,
-                     domains={"arith": {"count": 4 * n, "mean": 0.2 + 0.01 * n},
-                              "code": {"count": 2 * n, "mean": 0.5 - 0.005 * n}})
-        return stats
-
-
-class FakeInferenceActor(Actor):
-    role: ClassVar[str] = "inference"
+    role: ClassVar[str] = "fake"
+    moves: ClassVar[Callable[[int], dict[str, Any]]]
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,52 +41,25 @@ class FakeInferenceActor(Actor):
     def statistics(self) -> dict[str, Any]:
         self.ticks += 1
         stats = super().statistics()
-        stats.update(samples_done=4 * self.ticks, tokens_out=250 * self.ticks, weight_version=self.ticks // 4)
+        stats.update(type(self).moves(self.ticks))
         return stats
 
 
-class FakeLearnerActor(Actor):
-    role: ClassVar[str] = "learner"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ticks = 0
-
-    def statistics(self) -> dict[str, Any]:
-        self.ticks += 1
-        stats = super().statistics()
-        stats.update(version=self.ticks // 2, trained=16 * self.ticks, dropped_stale=self.ticks // 3)
-        return stats
+def fake(role: str, moves: Callable[[int], dict[str, Any]]) -> type[FakeActor]:
+    return type(f"Fake[{role}]", (FakeActor,), {"role": role, "moves": staticmethod(moves)})
 
 
-class FakeSandboxActor(Actor):
-    role: ClassVar[str] = "sandbox.episodes"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ticks = 0
-
-    def statistics(self) -> dict[str, Any]:
-        self.ticks += 1
-        stats = super().statistics()
-        stats.update(episodes=3 + self.ticks % 7, in_flight=self.ticks % 4, pool={"in_use": 5 + self.ticks % 6})
-        return stats
-
-
-class FakeEvalActor(Actor):
-    """An eval role: held-out accuracy per domain, rising."""
-
-    role: ClassVar[str] = "eval"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ticks = 0
-
-    def statistics(self) -> dict[str, Any]:
-        self.ticks += 1
-        stats = super().statistics()
-        stats.update(eval={"arith": {"tasks": 48, "accuracy": min(1.0, 0.1 + 0.02 * self.ticks), "solved": 0.1}})
-        return stats
+FAKES = {
+    # two domains' rewards, handled/emitted counters, an in-flight gauge
+    "reward": lambda n: dict(handled=10 * n, emitted=8 * n, in_flight=n % 5, lag=100 - n % 50,
+                             domains={"arith": {"count": 4 * n, "mean": 0.2 + 0.01 * n},
+                                      "code": {"count": 2 * n, "mean": 0.5 - 0.005 * n}}),
+    "inference": lambda n: dict(samples_done=4 * n, tokens_out=250 * n, weight_version=n // 4),
+    "learner": lambda n: dict(version=n // 2, trained=16 * n, dropped_stale=n // 3),
+    "sandbox.episodes": lambda n: dict(episodes=3 + n % 7, in_flight=n % 4, pool={"in_use": 5 + n % 6}),
+    # an eval role: held-out accuracy per domain, rising
+    "eval": lambda n: dict(eval={"arith": {"tasks": 48, "accuracy": min(1.0, 0.1 + 0.02 * n), "solved": 0.1}}),
+}
 
 
 class _Dom(html.parser.HTMLParser):
@@ -164,11 +122,8 @@ def _png_is_not_blank(path: Path) -> bool:
 async def test_dashboard_renders_live_charts_in_chromium(tmp_path: Path) -> None:
     assert CHROMIUM is not None, "chromium is not installed: ops/bootstrap.sh installs it (apt-get install chromium)"
     supervisor = Supervisor()
-    supervisor.add("reward", FakeRewardActor)
-    supervisor.add("inference", FakeInferenceActor)
-    supervisor.add("learner", FakeLearnerActor)
-    supervisor.add("sandbox.episodes", FakeSandboxActor)
-    supervisor.add("eval", FakeEvalActor)
+    for role, moves in FAKES.items():
+        supervisor.add(role, fake(role, moves))
     recorder = Recorder.from_supervisor(supervisor, interval_s=0.2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run)
