@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -52,6 +51,7 @@ from sandboxes.base import (
     SandboxError,
     normalize_path,
 )
+from sandboxes._kill import kill_all, kill_all_now, kill_pid
 from sandboxes.cgroups import CgroupSet, available_controllers, list_groups
 from sandboxes.limits import Limits
 from sandboxes.registry import register_sandbox_backend
@@ -383,7 +383,7 @@ class BwrapSandbox(Sandbox):
         except BaseException:
             control.close()
             if proc is not None:
-                _kill_pid(proc.pid)
+                kill_pid(proc.pid)
                 proc.wait()
             raise
         finally:
@@ -400,7 +400,7 @@ class BwrapSandbox(Sandbox):
         try:
             await asyncio.wait_for(asyncio.to_thread(init.proc.wait), KILL_GRACE_S)
         except asyncio.TimeoutError:
-            _kill_pid(init.proc.pid)
+            kill_pid(init.proc.pid)
             await asyncio.to_thread(init.proc.wait)
 
     @property
@@ -463,21 +463,11 @@ class BwrapSandbox(Sandbox):
 
     def _kill_cgroup_now(self, keep: frozenset[int] = frozenset(), deadline_s: float = 1.0) -> None:
         """:meth:`_kill_cgroup` without yielding to the event loop (for cleanup while cancelled)."""
-        end = time.monotonic() + deadline_s
-        while (pids := set(self.cgroups.pids()) - keep) and time.monotonic() < end:
-            for pid in pids:
-                _kill_pid(pid)
-            time.sleep(0.0005)
+        kill_all_now(lambda: set(self.cgroups.pids()) - keep, deadline_s)
 
     async def _kill_cgroup(self, keep: frozenset[int] = frozenset(), deadline_s: float = 5.0) -> None:
         """SIGKILL everything in the cgroups except ``keep`` until nothing else is left."""
-        end = time.monotonic() + deadline_s
-        while pids := set(self.cgroups.pids()) - keep:
-            for pid in pids:
-                _kill_pid(pid)
-            if time.monotonic() > end:
-                raise SandboxError(f"{self.id}: processes {sorted(pids)} survive SIGKILL")
-            await asyncio.sleep(0.001)
+        await kill_all(lambda: set(self.cgroups.pids()) - keep, self.id, deadline_s)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -553,13 +543,6 @@ class _Init:
     @property
     def pids(self) -> frozenset[int]:
         return frozenset((self.proc.pid, self.pid))
-
-
-def _kill_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _read_available(fd: int) -> str:

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import tarfile
 import threading
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxes import _init_client
+from sandboxes._kill import kill_all, kill_all_now
 from sandboxes.base import SANDBOX_ENV, VERIFY_DIR, WORKDIR, ExecResult, Sandbox, SandboxError, normalize_path
 from sandboxes.limits import Limits
 from sandboxes.registry import register_sandbox_backend
@@ -234,21 +234,11 @@ class DockerSandbox(Sandbox):
         return self.host_pids() - {self.init_pid}
 
     def _kill_now(self, deadline_s: float = 1.0) -> None:
-        end = time.monotonic() + deadline_s
-        while (pids := self._pids()) and time.monotonic() < end:
-            for pid in pids:
-                _kill_pid(pid)
-            time.sleep(0.0005)
+        kill_all_now(self._pids, deadline_s)
 
     async def _kill(self, deadline_s: float = 5.0) -> None:
         """SIGKILL every process of the container but the init until none is left."""
-        end = time.monotonic() + deadline_s
-        while pids := self._pids():
-            for pid in pids:
-                _kill_pid(pid)
-            if time.monotonic() > end:
-                raise SandboxError(f"{self.id}: processes {sorted(pids)} survive SIGKILL")
-            await asyncio.sleep(0.001)
+        await kill_all(self._pids, self.id, deadline_s)
 
     def _oom_count(self) -> int:
         """The container's memory cgroup OOM-kill counter."""
@@ -448,13 +438,6 @@ class DockerSandbox(Sandbox):
             await self._remove_container()
         finally:
             shutil.rmtree(self.control_dir, ignore_errors=True)
-
-
-def _kill_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 async def reap_containers() -> int:
