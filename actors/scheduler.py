@@ -585,16 +585,37 @@ class TaskSource(Protocol):
 
 
 class GeneratorSource:
-    """Endless training tasks from a domain's generator, seeded."""
+    """Endless training tasks from a domain's generator.
 
-    def __init__(self, domain: Domain, seed: int = 0) -> None:
+    Draw ``n`` is seeded by (seed, replica, domain, ``n``) and says so in its spec (``generator_draw``,
+    ``"<replica>:<n>"``): a restarted scheduler that restores ``position`` (its status, then the tasks
+    topic past it) goes on where it stopped and never draws a task again, and replicas draw different tasks.
+    """
+
+    def __init__(self, domain: Domain, seed: int = 0, replica: int = 0) -> None:
         self.name = domain.name
         self.domain: str | None = domain.name
         self._domain = domain
-        self._rng = random.Random(f"train:{seed}:{domain.name}")
+        self.replica = replica
+        self._seed = f"train:{seed}:{domain.name}" if replica == 0 else f"train:{seed}:replica{replica}:{domain.name}"
+        self.position = 0
+        """Draws made so far: the next one is draw ``position``."""
+
+    def draw_id(self, n: int) -> str:
+        return f"{self.replica}:{n}"
+
+    def skip_issued(self, draws: list[str]) -> list[str]:
+        """Move past draws of this source found already issued; returns those that were past ``position``."""
+        mine = sorted({int(d.split(":", 1)[1]) for d in draws if d.split(":", 1)[0] == str(self.replica)})
+        beyond = [n for n in mine if n >= self.position]
+        if beyond:
+            self.position = beyond[-1] + 1
+        return [self.draw_id(n) for n in beyond]
 
     def next(self, difficulty: float) -> SourcedTask:
-        prompt, spec = self._domain.generate(self._rng, difficulty)
+        n, self.position = self.position, self.position + 1
+        prompt, spec = self._domain.generate(random.Random(f"{self._seed}:{n}"), difficulty)
+        spec = dict(spec, generator_draw=self.draw_id(n))
         return SourcedTask(domain=self._domain.name, prompt=prompt, spec=spec, max_turns=self._domain.turns(spec),
                            difficulty=difficulty, stop=self._domain.stop, max_new_tokens=self._domain.budget(spec),
                            tools=self._domain.tools)
@@ -670,7 +691,7 @@ class SchedulerActor(Actor):
                 if not DOMAINS[name].trainable:
                     raise ValueError(f"scheduler.domains: {name!r} is an evaluation set (trainable = false), never "
                                      "trained on; evaluate it with rollout eval")
-            sources = [GeneratorSource(DOMAINS[d], cfg.seed) for d in cfg.domains]
+            sources = [GeneratorSource(DOMAINS[d], cfg.seed, cfg.replica) for d in cfg.domains]
             if cfg.task_files:
                 names = [Path(p).name for p in cfg.task_files]
                 if len(set(names)) != len(names):
@@ -715,7 +736,7 @@ class SchedulerActor(Actor):
             self.tasks_admitted = int(status.get("tasks_admitted", 0))
             for name, position in status.get("source_positions", {}).items():
                 source = self.sources.get(name)
-                if isinstance(source, TaskFileSource):
+                if isinstance(source, (TaskFileSource, GeneratorSource)):
                     source.position = int(position)
             self._tasks_offsets = {int(p): int(o) for p, o in status.get("tasks_offsets", {}).items()}
             balance = status.get("balance_state")
@@ -729,8 +750,9 @@ class SchedulerActor(Actor):
                                                                                     Names.LEARNER_VERSION_KEY))
 
     async def _skip_issued_rows(self) -> None:
-        """Task-file rows on the tasks topic past the last status (issued, status not yet written): skip them."""
-        files = {n: s for n, s in self.sources.items() if isinstance(s, TaskFileSource)}
+        """Tasks on the tasks topic past the last status (issued, status not yet written): task-file rows and
+        generator draws; skip them, counting them as admitted."""
+        files = {n: s for n, s in self.sources.items() if isinstance(s, (TaskFileSource, GeneratorSource))}
         if not files:
             return
         issued: dict[str, list[str]] = {n: [] for n in files}
@@ -739,6 +761,8 @@ class SchedulerActor(Actor):
                                                            expect=(Task.SCHEMA,)):
             assert isinstance(msg, Task)
             source, row = msg.spec.get("task_file"), msg.spec.get("task_file_id")
+            if row is None:  # a generator's draw: its source is named after its domain
+                source, row = msg.domain, msg.spec.get("generator_draw")
             if isinstance(source, str) and source in issued and isinstance(row, str):
                 issued[source].append(row)
                 group_sizes[(source, row)] = msg.group_size
@@ -747,7 +771,7 @@ class SchedulerActor(Actor):
             if skipped:
                 self.tasks_admitted += len(skipped)
                 self.admitted_samples += sum(group_sizes[(name, row)] for row in skipped)
-                log.warning("%s: %d row(s) of %s were issued after the last stored status; not issuing them again",
+                log.warning("%s: %d task(s) of %s were issued after the last stored status; not issuing them again",
                             self.name, len(skipped), name)
 
     async def serve(self) -> None:
@@ -988,7 +1012,8 @@ class SchedulerActor(Actor):
                 "difficulty": {s.domain: self._curriculum_for(s.domain).difficulty(s.domain)
                                for s in self.sources.values() if s.domain},
                 "length_curriculum": self.length_curriculum.state() if self.length_curriculum else {},
-                "source_positions": {n: s.position for n, s in self.sources.items() if isinstance(s, TaskFileSource)},
+                "source_positions": {n: s.position for n, s in self.sources.items()
+                                     if isinstance(s, (TaskFileSource, GeneratorSource))},
                 "tasks_offsets": {str(p): o for p, o in sorted(self._tasks_offsets.items())},
                 "published_issued": self.published_issued,
                 "balance_policy": self.mixer.policy, "balance": self.mixer.view(),

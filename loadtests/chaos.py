@@ -24,8 +24,8 @@ Headline keys: ``kills``, ``tasks_admitted``, ``samples_lost``, ``samples_traine
 - ``prompts_skipped``: tasks the scheduler counted as admitted (its KV status, which a restarted scheduler
   resumes from) that never reached ``rollout.tasks``, plus tasks on it of which no sample was ever generated;
 - ``prompts_duplicated``: admissions of a prompt (domain, prompt, spec) beyond its first, under another task
-  id (a generator that draws the same small problem twice counts too: ``prompts_repeated_by_generator``
-  is not separable from a re-admission here, so the figure is an upper bound);
+  id; exact: a generator task's spec names its draw (``generator_draw``), so a small problem a generator
+  draws twice, at two draws, is two prompts;
 - ``tokens_regenerated``: tokens generated again after a kill among those the broker had acknowledged
   on ``rollout.tokens``: per sample, in offset order, each generation after the first (its chunks' ``seq``
   start again at 0) counts the positions it repeats of what earlier generations had streamed;
