@@ -73,6 +73,11 @@ class Plan:
     seed: int = 0
     finish_timeout_s: float = 420.0
     domains: dict[str, float] = dataclasses.field(default_factory=lambda: {"arith": 1.0, "code": 1.0})
+    max_new_tokens: int = 8
+    """``inference.max_new_tokens``: with the tiny model a generation of 8 tokens lasts milliseconds and an
+    inference kill almost never lands inside one; a few hundred make generations last long enough for the
+    successor's takeover to be exercised (``--long``)."""
+    stream_interval: int = 1
 
 
 class Chaos:
@@ -106,7 +111,9 @@ class Chaos:
         model_dir = write_tiny_model_dir(self.work / "model", seed=self.plan.seed)
         namespace = f"chaos-{uuid.uuid4().hex[:8]}"
         data = pipeline_config(namespace, self.stack.infra.kafka_bootstrap, self.stack.infra.nats_url, self.work,
-                               model_dir, max_tasks=self.plan.tasks, domains=self.plan.domains)
+                               model_dir, max_tasks=self.plan.tasks, domains=self.plan.domains,
+                               inference={"max_new_tokens": self.plan.max_new_tokens,
+                                          "stream_interval": self.plan.stream_interval})
         path = write_toml(data, self.work / "chaos.toml")
         self.cfg = EngineConfig.model_validate(data)
         for name in ROLE_PROCS:
@@ -458,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=None, help="scheduler.max_tasks (default 60; quick 20)")
     parser.add_argument("--host-down", type=float, default=None, help="seconds a failed sandbox host stays down")
     parser.add_argument("--terminal", action="store_true", help="add the multi-turn terminal domain")
+    parser.add_argument("--long", action="store_true",
+                        help="long generations (inference.max_new_tokens 384, 16 tokens per rollout.tokens record), "
+                             "so inference kills land inside generations and the takeover is exercised")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
     args = parser.parse_args(argv)
@@ -477,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.host_down_s = args.host_down
     if args.terminal:
         plan.domains = {"arith": 1.0, "code": 1.0, "terminal": 0.5}
+    if args.long:
+        plan.max_new_tokens, plan.stream_interval = 384, 16
     work = Path(tempfile.mkdtemp(prefix="rollout-chaos-"))
     print(f"work dir {work}", flush=True)
     try:
