@@ -266,6 +266,22 @@ class BatchingEngine:
             self._apply_aborts()
         return count
 
+    async def wait_finished(self, seqs: list[Sequence]) -> None:
+        """Wait until every one of ``seqs`` finished; any left unfinished (the caller was cancelled: the client
+        went away) is aborted."""
+        try:
+            for seq in seqs:
+                while not seq.finished:
+                    await seq.wait_changed()
+        finally:
+            self.abort_unfinished(seqs)
+
+    def abort_unfinished(self, seqs: list[Sequence], message: str = "client disconnected") -> None:
+        """Abort those of ``seqs`` not finished (their client is gone)."""
+        for seq in seqs:
+            if not seq.finished:
+                self.abort(seq.rid, message)
+
     def _apply_aborts(self) -> None:
         for seq in [s for s in self._running if s.abort_message is not None]:
             self._running.remove(seq)

@@ -118,16 +118,12 @@ async def handle_chat_completions(request: web.Request, engine_of: EngineOf, mod
     except (TypeError, ValueError) as exc:  # a template that cannot render these messages
         return _error(400, f"messages: {exc}")
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    try:
-        if body.get("stream"):
+    if body.get("stream"):
+        try:
             return await _stream(request, engine, seqs, cid, created, model_name)
-        for seq in seqs:
-            while not seq.finished:
-                await seq.wait_changed()
-    finally:
-        for seq in seqs:
-            if not seq.finished:
-                engine.abort(seq.rid, "client disconnected")
+        finally:
+            engine.abort_unfinished(seqs)
+    await engine.wait_finished(seqs)
     choices = []
     for i, seq in enumerate(seqs):
         out = engine.output_text(seq)

@@ -242,14 +242,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     listed = req.is_batch or req.sampling.n > 1
     if req.stream:
         return await _stream(request, engine, req, seqs, listed)
-    try:
-        for seq in seqs:
-            while not seq.finished:
-                await seq.wait_changed()
-    finally:
-        for seq in seqs:
-            if not seq.finished:
-                engine.abort(seq.rid, "client disconnected")
+    await engine.wait_finished(seqs)
     results = [_result_json(engine, seq, req, None) for seq in seqs]
     return web.json_response(results if listed else results[0])
 
@@ -292,9 +285,7 @@ async def _stream(
     finally:
         for task in watchers:
             task.cancel()
-        for seq in seqs:
-            if not seq.finished:
-                engine.abort(seq.rid, "client disconnected")
+        engine.abort_unfinished(seqs)
     await response.write_eof()
     return response
 
