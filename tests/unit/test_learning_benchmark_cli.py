@@ -15,17 +15,6 @@ from loadtests import _learning_task as task_mod
 from loadtests import learning
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (d / "model.safetensors").write_bytes(b"")
-    (d / "tokenizer.json").write_text("{}")
-    (d / "tokenizer_config.json").write_text("{}")
-    return d
-
-
 def args_for(model_dir: Path | None, *extra: str) -> list[str]:
     return ([] if model_dir is None else ["--model-dir", str(model_dir)]) + list(extra)
 

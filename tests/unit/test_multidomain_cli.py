@@ -17,17 +17,6 @@ from loadtests import multidomain as md
 from loadtests.learning import SystemResult
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (d / "model.safetensors").write_bytes(b"")
-    (d / "tokenizer.json").write_text("{}")
-    (d / "tokenizer_config.json").write_text("{}")
-    return d
-
-
 def bad_input(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
     """Runs main(); asserts exit 2, one stderr line and that no system was started."""
     monkeypatch.setattr(md, "run", lambda *a, **k: pytest.fail("a system ran despite bad input"))
