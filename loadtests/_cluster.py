@@ -103,14 +103,19 @@ class RoleProc:
         self.kills = 0
         self.held_down = False  # a failed host: not restarted until released
 
+    def command_prefix(self) -> list[str]:
+        """What the daemon's command runs under (a host's ``ip netns exec``, which execs: the pid stays the
+        daemon's); nothing here."""
+        return []
+
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.ready = threading.Event()
         self.http = None
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1")
-        argv = [sys.executable, "-m", "ops.cli", "run", "--config", str(self.config), "--role", self.role,
-                "--run-dir", str(self.run_dir), "--instance", self.name, "--log-level", "INFO"]
+        argv = [*self.command_prefix(), sys.executable, "-m", "ops.cli", "run", "--config", str(self.config),
+                "--role", self.role, "--run-dir", str(self.run_dir), "--instance", self.name, "--log-level", "INFO"]
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start {self.starts} at {time.time():.3f}\n".encode())
             self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, env=env,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import _netns
-from loadtests._cluster import REPO, RoleProc, pipeline_config, write_toml
+from loadtests._cluster import RoleProc, pipeline_config, write_toml
 from loadtests.chaos import Chaos, Plan
 from ops.infra import InfraConfig, KafkaBroker, NatsServer, free_port
 from ops.infra.process import PidRecord
@@ -147,21 +146,8 @@ class HostProc(RoleProc):
         self.topo = topo
         self.host = host
 
-    def start(self) -> None:
-        """RoleProc.start with the command run through ``ip netns exec`` (which execs: the pid is the daemon's)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.ready = threading.Event()
-        self.http = None
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1")
-        argv = [*self.topo.prefix(self.host), sys.executable, "-m", "ops.cli", "run", "--config", str(self.config),
-                "--role", self.role, "--run-dir", str(self.run_dir), "--instance", self.name, "--log-level", "INFO"]
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n=== start {self.starts} at {time.time():.3f}\n".encode())
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, env=env,
-                                         start_new_session=True)
-        self.starts += 1
-        threading.Thread(target=self._read_stdout, args=(self.proc, self.ready), daemon=True).start()
+    def command_prefix(self) -> list[str]:
+        return self.topo.prefix(self.host)
 
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
         if not self.http or not self.alive():
