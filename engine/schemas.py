@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from engine.tools import is_function_tool
+
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 MASK_DTYPE = np.dtype("u1")
@@ -289,8 +291,7 @@ class Task(Message):
         if not self.task_id:
             raise SchemaError(self.SCHEMA, "task_id", "must not be empty")
         for i, tool in enumerate(self.tools):
-            fn = tool.get("function")
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            if not is_function_tool(tool):
                 raise SchemaError(self.SCHEMA, f"tools[{i}].function.name", "a non-empty string is required")
         if not 1 <= self.group_size <= 1024:
             raise SchemaError(self.SCHEMA, "group_size", f"must be in 1..1024, got {self.group_size}")

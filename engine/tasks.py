@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.tools import is_function_tool
+
 TASK_FIELDS = ("id", "domain", "prompt", "messages", "answer", "tests", "files", "metadata", "max_turns", "tools",
                "spec")
 """The canonical fields of a task row; a field mapping renames a file's columns onto these."""
@@ -355,9 +357,7 @@ def parse_row(raw: Any, where: str, *, known_domains: Iterable[str], default_dom
     if max_turns is not None and (not isinstance(max_turns, int) or max_turns < 1):
         raise TaskFileError(f"{where}: field 'max_turns': expected a positive integer")
     tools = row.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(
-            isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and t["function"].get("name")
-            for t in tools)):
+    if tools is not None and (not isinstance(tools, list) or not all(is_function_tool(t) for t in tools)):
         raise TaskFileError(f'{where}: field \'tools\': expected a list of {{"type": "function", "function": '
                             f'{{"name", ...}}}} objects')
     return UserTask(id=str(row.get("id", "")), domain=domain, prompt=prompt, spec=spec,

@@ -65,6 +65,12 @@ class ToolCall:
     raw: str = ""
 
 
+def is_function_tool(tool: Any) -> bool:
+    """Whether ``tool`` is a declared function: ``{"function": {"name": <non-empty string>, ...}, ...}``."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"])
+
+
 def tool_names(tools: list[dict[str, Any]]) -> list[str]:
     return [t["function"]["name"] for t in tools]
 
