@@ -665,6 +665,11 @@ class TaskFileSource:
                            tools=task.tools if task.tools is not None else domain.tools)
 
 
+
+POSITIONED_SOURCES = (GeneratorSource, TaskFileSource)
+"""Sources with a ``position`` the scheduler's status keeps and ``skip_issued`` for what was published past it."""
+
+
 # -- the actor -------------------------------------------------------------------------------------
 
 class SchedulerActor(Actor):
@@ -736,7 +741,7 @@ class SchedulerActor(Actor):
             self.tasks_admitted = int(status.get("tasks_admitted", 0))
             for name, position in status.get("source_positions", {}).items():
                 source = self.sources.get(name)
-                if isinstance(source, (TaskFileSource, GeneratorSource)):
+                if isinstance(source, POSITIONED_SOURCES):
                     source.position = int(position)
             self._tasks_offsets = {int(p): int(o) for p, o in status.get("tasks_offsets", {}).items()}
             balance = status.get("balance_state")
@@ -752,7 +757,7 @@ class SchedulerActor(Actor):
     async def _skip_issued_rows(self) -> None:
         """Tasks on the tasks topic past the last status (issued, status not yet written): task-file rows and
         generator draws; skip them, counting them as admitted."""
-        files = {n: s for n, s in self.sources.items() if isinstance(s, (TaskFileSource, GeneratorSource))}
+        files = {n: s for n, s in self.sources.items() if isinstance(s, POSITIONED_SOURCES)}
         if not files:
             return
         issued: dict[str, list[str]] = {n: [] for n in files}
@@ -1013,7 +1018,7 @@ class SchedulerActor(Actor):
                                for s in self.sources.values() if s.domain},
                 "length_curriculum": self.length_curriculum.state() if self.length_curriculum else {},
                 "source_positions": {n: s.position for n, s in self.sources.items()
-                                     if isinstance(s, (TaskFileSource, GeneratorSource))},
+                                     if isinstance(s, POSITIONED_SOURCES)},
                 "tasks_offsets": {str(p): o for p, o in sorted(self._tasks_offsets.items())},
                 "published_issued": self.published_issued,
                 "balance_policy": self.mixer.policy, "balance": self.mixer.view(),
