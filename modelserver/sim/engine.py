@@ -92,10 +92,6 @@ class SimEngine(BatchingEngine):
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(**self._counters())
 
-    def flush_cache(self) -> bool:
-        """``/flush_cache``: no KV cache is simulated; refused (False) while requests run or wait, as SGLang does."""
-        return super().flush_cache()
-
     def _prepare(self, seq: Sequence) -> None:
         # The response length this sequence will reach unless max_new_tokens cuts it (long-tailed).
         self._targets[id(seq)] = -(-self.lengths.sample(self._rng) // self.token_scale)
