@@ -85,7 +85,8 @@ def train_grpo(model_dir: str, seconds: float, save_dir: Path, rows: list[dict[s
         num_generations=8, max_completion_length=max_completion_length, temperature=temperature,
         learning_rate=5e-6, lr_scheduler_type="constant", gradient_checkpointing=True, max_steps=10 ** 6,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=seed, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=Dataset.from_list(rows),
+    funcs: Any = reward_funcs if callable(reward_funcs) else list(reward_funcs)  # TRL wants a list (invariant)
+    trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=cfg, train_dataset=Dataset.from_list(rows),
                           processing_class=tok, callbacks=[Budget()])
     try:
         trainer.train()

@@ -247,6 +247,10 @@ class Record(DecodedRecord):
     _consumer: "Consumer"
     _acked: bool = False
 
+    @property
+    def owned_since_ms(self) -> int:
+        return self._consumer.owned_since.get((self.topic, self.partition), 0)
+
     def ack(self) -> None:
         """Mark the record processed: its offset may now be committed. Idempotent."""
         if not self._acked:
@@ -343,6 +347,8 @@ class Consumer:
         self.commits = 0
         self.commits_deferred = 0
         self.assigned: set[tuple[str, int]] = set()
+        self.owned_since: dict[tuple[str, int], int] = {}
+        """(topic, partition) -> when this member got it (ms since the epoch), the start or a rebalance."""
 
     async def start(self) -> "Consumer":
         check_files(self.cfg)
@@ -379,6 +385,7 @@ class Consumer:
         tps = [TopicPartition(t, p) for t, p in self.assignment or []]
         c.assign(tps)
         self.assigned = set(self.assignment or [])
+        self.owned_since = dict.fromkeys(self.assigned, time.time_ns() // 1_000_000)
         if self.start_offsets is not None:
             for tp in tps:  # an explicit start: the caller's offsets, else the end (from_end) or the beginning
                 offset = self.start_offsets.get((tp.topic, tp.partition))
@@ -603,11 +610,17 @@ class Consumer:
         with self._tracker_lock:
             self._tracker.revoke(keys)
         self.assigned -= set(keys)
+        for key in keys:
+            self.owned_since.pop(key, None)
         # Records of revoked partitions still buffered here belong to the new owner now.
         self._buffer = collections.deque(r for r in self._buffer if (r.topic, r.partition) not in keys)
 
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
-        self.assigned |= {(tp.topic, tp.partition) for tp in assigned}
+        keys = {(tp.topic, tp.partition) for tp in assigned}
+        now_ms = time.time_ns() // 1_000_000
+        for key in keys - self.assigned:  # cooperative rebalancing: kept partitions are not assigned again
+            self.owned_since[key] = now_ms
+        self.assigned |= keys
 
 
 # ensure_topics, StreamError, client_security and kafka_reason live in kafka_admin / kafka_client; they are

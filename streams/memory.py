@@ -187,6 +187,10 @@ class MemoryRecord(DecodedRecord):
     _consumer: "MemoryConsumer"
     _acked: bool = False
 
+    @property
+    def owned_since_ms(self) -> int:
+        return self._consumer.owned_since_ms
+
     def ack(self) -> None:
         if not self._acked:
             self._acked = True
@@ -221,6 +225,7 @@ class MemoryConsumer:
         self._tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
         self._positions: dict[tuple[str, int], int] = {}
         self.assigned: set[tuple[str, int]] = set()
+        self.owned_since_ms = 0
         self._started = False
         self.delivered = 0
         self.dead_lettered = 0
@@ -237,6 +242,7 @@ class MemoryConsumer:
                 raise TransportError(f"topic {topic} has {len(self.log.topics[topic])} partitions, no partition {p}")
             self._positions[(topic, p)] = self._start_at(topic, p)
         self.assigned = set(self._positions)
+        self.owned_since_ms = time.time_ns() // 1_000_000  # the only member: it owns every partition from its start
         self._started = True
         return self
 

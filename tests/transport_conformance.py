@@ -64,11 +64,15 @@ async def check_a_group_commits_only_what_was_acknowledged(log: EventLog, prefix
     topic, dlq = f"{prefix}.in", f"{prefix}.dlq"
     await log.ensure_topics({dlq: 1})
     producer = await _fill(log, topic, 1, 3)
+    joined_ms = time.time_ns() // 1_000_000
     consumer = await log.consumer(topics=[topic], group=f"{prefix}.g", expect=("task",), dead_letters=producer,
                                   dlq_topic=dlq, client_id="c").start()
     try:
         first, second, third = await _read(consumer, 3)
         assert [r.message.task_id for r in (first, second, third)] == ["t0", "t1", "t2"]  # type: ignore[attr-defined]
+        # the member owns the partition since it joined: the records were produced before, by nobody it knows
+        assert joined_ms <= first.owned_since_ms <= time.time_ns() // 1_000_000
+        assert first.timestamp_ms <= first.owned_since_ms
         first.ack()
         third.ack()
         assert await consumer.commit() == {(topic, 0): 1}  # the second is still in flight: stop before it

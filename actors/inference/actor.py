@@ -372,9 +372,11 @@ class InferenceActor(StreamActor):
         completions: list[Completion | None] = [None] * task.group_size
         headers: list[dict[str, str]] = [{} for _ in range(task.group_size)]
         taken: dict[str, Frontier] = {}
-        if task.max_turns <= 1 and self.frontiers is not None and self.frontiers.may_have_frontiers(record.timestamp_ms):
+        owned_since = record.owned_since_ms
+        if (task.max_turns <= 1 and self.frontiers is not None
+                and self.frontiers.may_have_frontiers(record.timestamp_ms, owned_since)):
             taken = await self.frontiers.take(record.timestamp_ms,
-                                              [_sample_id(task, i) for i in range(task.group_size)])
+                                              [_sample_id(task, i) for i in range(task.group_size)], owned_since)
         async with anyio.create_task_group() as tg:
             for i in range(task.group_size):
                 tg.start_soon(self._run_sample, record, task, i, prompt_ids, completions, headers,

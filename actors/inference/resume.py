@@ -17,8 +17,11 @@ whose ``seq`` is not the next one (a producer's retry, a second owner racing a z
 frontier is always one unbroken run.
 
 Only records that may have been worked on before this actor took over are looked up: those timestamped
-before it started (a record produced later was delivered to nobody else first). The read starts at
-``max(record's timestamp, start - window) - clock skew`` and is shared by every record it covers. Multi-turn
+before it owned their partition, that is before it started or, for a partition a rebalance moved to it
+from another member (dead, or alive and scaled in), before that rebalance (``EventRecord.owned_since_ms``);
+a record produced later was delivered to nobody else first. The read starts at ``max(record's timestamp,
+takeover - window) - clock skew`` and is shared by every record it covers; a read made before a partition
+was taken over lacks what its last owner streamed since, so that partition's records read again. Multi-turn
 episodes are not continued (their sandbox state is gone with the episode's attempt): they start again in a
 fresh sandbox, as before.
 """
@@ -91,20 +94,27 @@ class Frontiers:
         self._known: dict[str, Frontier] = {}
         self._read_from_ms: int | None = None
         self._read_at: float | None = None
+        self._read_wall_ms: int | None = None
         self.reads = 0
 
-    def may_have_frontiers(self, record_ms: int) -> bool:
-        """Whether a record with this timestamp may have been worked on by an actor before this one."""
-        return self.window_ms > 0 and record_ms < self.started_ms
+    def _takeover_ms(self, owned_since_ms: int) -> int:
+        return max(self.started_ms, owned_since_ms)
 
-    async def take(self, record_ms: int, sample_ids: list[str]) -> dict[str, Frontier]:
+    def may_have_frontiers(self, record_ms: int, owned_since_ms: int = 0) -> bool:
+        """Whether a record with this timestamp, on a partition this actor owns since ``owned_since_ms``,
+        may have been worked on by an actor before this one."""
+        return self.window_ms > 0 and record_ms < self._takeover_ms(owned_since_ms)
+
+    async def take(self, record_ms: int, sample_ids: list[str], owned_since_ms: int = 0) -> dict[str, Frontier]:
         """The frontiers of ``sample_ids`` (those with any), given away: a later call does not see them again."""
-        since = max(record_ms, self.started_ms - self.window_ms) - CLOCK_SKEW_MS
+        takeover = self._takeover_ms(owned_since_ms)
+        since = max(record_ms, takeover - self.window_ms) - CLOCK_SKEW_MS
         now = time.monotonic()
         if self._read_at is not None and now - self._read_at > self.window_ms / 1000:
             self._known, self._read_from_ms = {}, None  # a window's worth of the fleet's chunks: not kept forever
-        if self._read_from_ms is None or since < self._read_from_ms:
-            self._read_at = now
+        stale = self._read_wall_ms is not None and self._read_wall_ms < takeover  # read before the partition came
+        if self._read_from_ms is None or since < self._read_from_ms or stale:
+            self._read_at, self._read_wall_ms = now, time.time_ns() // 1_000_000
             found = await self.log.read_since(self.topic, {}, expect=(TokenChunk.SCHEMA,), since_ms=since)
             found.sort(key=lambda r: (r[0], r[1]))
             self._known = frontiers(m for _, _, m in found if isinstance(m, TokenChunk))

@@ -39,6 +39,12 @@ def _ready(path: Path) -> bool:
     return path.exists() and path.read_text().startswith("#ready")
 
 
+def _owned(path: Path) -> list[tuple[int, int]]:
+    """The member's ``#owned P MS`` lines: partition P, processed while owned since MS."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(ln.split()[1]), int(ln.split()[2])) for ln in lines if ln.startswith("#owned")]
+
+
 def _assigned(path: Path) -> int:
     """The member's current partition count, from its last ``#assigned N`` line."""
     lines = [ln for ln in path.read_text().splitlines() if ln.startswith("#assigned")] if path.exists() else []
@@ -83,6 +89,7 @@ async def test_group_of_three_with_a_sigkill_loses_nothing(kafka_bootstrap, uniq
                     if victim is None:  # kill the first member that has done part of its share
                         victim = next((k for k in range(3) if len(_ids(outs[k])) >= 200), None)
                         if victim is not None:
+                            killed_ms = time.time_ns() // 1_000_000
                             procs[victim].send_signal(signal.SIGKILL)
                             procs[victim].wait(10)
             await producer.flush()
@@ -93,6 +100,12 @@ async def test_group_of_three_with_a_sigkill_loses_nothing(kafka_bootstrap, uniq
         total = sum(len(_ids(o)) for o in outs)
         assert total >= len(sent)  # duplicates (from the victim's uncommitted batch) are allowed
         assert any(len(_ids(outs[k])) > 0 for k in range(3) if k != victim)  # survivors took over
+        # the victim's partitions: a survivor's records of them say it owns them since after the kill (what an
+        # inference actor taking over needs, to know a record may have been worked on by the dead member)
+        victims = {p for p, _ in _owned(outs[victim])}
+        moved = [(p, ms) for k in range(3) if k != victim for p, ms in _owned(outs[k]) if p in victims]
+        assert moved and all(ms >= killed_ms for _, ms in moved)
+        assert all(ms < killed_ms for k in range(3) if k != victim for p, ms in _owned(outs[k]) if p not in victims)
     finally:
         for p in procs:
             if p.poll() is None:

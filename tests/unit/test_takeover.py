@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from actors.inference.actor import InferenceActor
-from actors.inference.resume import frontiers
+from actors.inference.resume import Frontiers, frontiers
 from actors.runtime import Runtime
 from engine.actor import RestartPolicy, Supervisor
 from engine.config import EngineConfig, InferenceConfig, TransportConfig
@@ -45,6 +45,33 @@ def test_a_frontier_is_the_unbroken_run_of_chunks_of_the_latest_generation() -> 
     assert got["t/1"].tokens()[0] == [30, 31] and got["t/1"].chunks == 1
     assert got["t/2"].tokens()[0] == [40] and got["t/2"].finish_reason == "length"
     assert lps == np.asarray([-0.5, -0.6, -0.5], np.float32).tolist()
+
+
+@pytest.mark.anyio
+async def test_a_partition_taken_over_in_a_rebalance_is_looked_up_with_what_its_last_owner_streamed() -> None:
+    log = MemoryEventLog()
+    await log.ensure_topics({"tokens": 2})
+    producer = log.producer(producer_id="p")
+    _later_than_now()
+    started = time.time_ns() // 1_000_000
+    fronts = Frontiers(log, "tokens", window_s=600, started_ms=started)
+    _later_than_now()
+    record_ms = time.time_ns() // 1_000_000  # a task produced after this actor started, first given to another
+    # before any rebalance such a record was delivered to nobody else: no look-back
+    assert not fronts.may_have_frontiers(record_ms, owned_since_ms=started)
+    await producer.send("tokens", _chunk("early/0", 0, [1, 2], [0, 0]), key="early/0")
+    assert set(await fronts.take(started - 1, ["early/0"])) == {"early/0"} and fronts.reads == 1
+    # the other member streams half of "moved/0", then dies; its partition comes to this actor
+    await producer.send("tokens", _chunk("moved/0", 0, [5, 6, 7], [3, 3, 3]), key="moved/0")
+    _later_than_now()
+    taken_over = time.time_ns() // 1_000_000
+    assert fronts.may_have_frontiers(record_ms, owned_since_ms=taken_over)
+    got = await fronts.take(record_ms, ["moved/0"], owned_since_ms=taken_over)
+    # the read made before the takeover did not hold the dead member's chunks: read again
+    assert fronts.reads == 2 and got["moved/0"].tokens()[0] == [5, 6, 7]
+    # one read covers every record of the takeover
+    await fronts.take(record_ms, ["other/0"], owned_since_ms=taken_over)
+    assert fronts.reads == 2
 
 
 def _inference(rt: Runtime, url: str, tokenizer: object, tmp_path: Path) -> Supervisor:

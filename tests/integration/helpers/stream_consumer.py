@@ -1,6 +1,7 @@
 """A consumer-group member run as its own process by the stream integration tests.
 
-Writes ``#ready`` once started and ``#assigned N`` whenever its partition count changes; appends the message id of every record it processes to OUT (one per line, flushed) *before*
+Writes ``#ready`` once started, ``#assigned N`` whenever its partition count changes and ``#owned P MS``
+the first time it processes a record of partition P it owns since MS (``Record.owned_since_ms``); appends the message id of every record it processes to OUT (one per line, flushed) *before*
 acknowledging it, commits after each batch, and exits 0 on SIGTERM after a clean close. A SIGKILL
 therefore leaves processed-but-uncommitted records, which the group must re-deliver elsewhere.
 """
@@ -23,12 +24,16 @@ async def main(args: argparse.Namespace) -> None:
         with open(args.out, "a", buffering=1) as out:
             out.write(f"#ready {os.getpid()}\n")
             assigned: set = set()
+            owned: set = set()
             while not stop.is_set():
                 records = await consumer.getmany(timeout_s=0.2)
                 if consumer.assigned != assigned:
                     assigned = set(consumer.assigned)
                     out.write(f"#assigned {len(assigned)}\n")
                 for r in records:
+                    if (r.partition, r.owned_since_ms) not in owned:
+                        owned.add((r.partition, r.owned_since_ms))
+                        out.write(f"#owned {r.partition} {r.owned_since_ms}\n")
                     out.write(r.message_id + "\n")
                     r.ack()
                 if records:
