@@ -23,6 +23,17 @@ speed-up on this machine is bounded by about ``async_cpu_busy / sync_cpu_busy`` 
 the same CPU work); a sync run that already keeps every core busy leaves nothing to overlap.
 
     python -m loadtests.async_vs_sync [--quick] [--json out.json] [--steps N] [--staleness S] [--rounds K]
+    python -m loadtests.async_vs_sync --policies [--quick] [--json out.json] [--steps N] [--staleness S]
+
+``--policies`` is the CPU run of the staleness policies (issue 32; ``loadtests/fleet.py --staleness-only``
+is the simulated one): two async runs, ``learner.staleness_policy`` ``drop`` (today's) and ``downweight``
+(no finished sample discarded for its age), alternating which goes first per round. For each, the
+Kolmogorov-Smirnov distance between the completion lengths of the samples the learner judged (trained
+or dropped as stale; zero-variance filtered ones apart) and of those it trained (``length_ks_<policy>``),
+read from the learner's audit log and ``rollout.experience``, with its sample sizes and the distance two
+samples that size reach by chance 5% of the time (``length_ks_critical_<policy>``, the asymptotic
+two-sample bound ``1.358 * sqrt((n + m) / (n * m))``); and trained samples per second
+(``trained_samples_per_s_<policy>``).
 
 With no --bootstrap / --nats (or ROLLOUT_KAFKA_BOOTSTRAP / ROLLOUT_NATS_URL) it starts a private
 broker and nats-server and stops them at the end.
@@ -37,6 +48,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -45,6 +57,7 @@ from domains import score  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.schemas import Experience  # noqa: E402
 from loadtests._stats import ci95, machine_cpu_jiffies  # noqa: E402
+from actors.learner import AUDIT_LOG  # noqa: E402
 from ops.demo import DemoPlan, _quiet_libraries, default_config, warm_start  # noqa: E402
 from streams.kafka import Consumer  # noqa: E402
 
@@ -59,6 +72,10 @@ class RunResult:
     """Fraction of the machine's CPU time (all cores) that was busy during the run."""
     # (seconds since start, running mean correctness of the last `window` samples)
     curve: list[tuple[float, float]]
+    lengths: dict[str, int] = dataclasses.field(default_factory=dict)
+    """sample_id -> completion length (tokens), of every experience the run published."""
+    verdicts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """sample_id -> the learner's verdict (train, dropped_stale, filtered), from its audit log."""
 
     def time_to(self, reward: float) -> float | None:
         return next((t for t, r in self.curve if r >= reward), None)
@@ -73,6 +90,7 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
 
     recent: list[float] = []
     curve: list[tuple[float, float]] = []
+    lengths: dict[str, int] = {}
     samples = 0
     async with Deployment(cfg, run_dir=run_dir) as d:
         watch = Consumer(cfg.kafka, topics=[d.rt.names.experience], group=f"{cfg.namespace}.bench",
@@ -91,6 +109,7 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
                 for r in await watch.getmany(timeout_s=0.2):
                     exp = r.message
                     assert isinstance(exp, Experience)
+                    lengths[exp.sample_id] = len(exp.response_ids)
                     recent.append(score(exp.domain, exp.facts, "").correctness if exp.facts else exp.reward)
                     del recent[:-window]
                     samples += 1
@@ -103,7 +122,93 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
             busy = (jiffies1[0] - jiffies0[0]) / max(1, jiffies1[1] - jiffies0[1])
             print(f"  {mode}: {step} steps in {seconds:.1f}s, {samples} samples, CPUs {busy:.0%} busy", flush=True)
             d.drain()
-    return RunResult(mode, seconds, step, samples, busy, curve)
+    return RunResult(mode, seconds, step, samples, busy, curve, lengths,
+                     audit_verdicts(Path(cfg.learner.checkpoint_dir) / cfg.namespace / AUDIT_LOG))
+
+
+def audit_verdicts(path: Path) -> dict[str, str]:
+    """sample_id -> verdict from a learner's audit log (the last life's line wins; empty if there is none)."""
+    out: dict[str, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "sample_id" in row:
+                out[row["sample_id"]] = row["verdict"]
+    return out
+
+
+KS_CRITICAL_95 = 1.358
+"""c(0.05) of the asymptotic two-sample Kolmogorov-Smirnov bound ``c * sqrt((n + m) / (n * m))``."""
+
+
+def policy_row(run: RunResult) -> dict[str, Any]:
+    """One staleness policy's CPU run: judged and trained lengths, their KS distance, trained samples/s."""
+    from loadtests.fleet import ks_distance
+
+    known = {sid: v for sid, v in run.verdicts.items() if sid in run.lengths}
+    judged = [run.lengths[s] for s, v in known.items() if v in ("train", "dropped_stale")]
+    trained = [run.lengths[s] for s, v in known.items() if v == "train"]
+    if not judged or not trained:
+        raise RuntimeError(f"{run.mode}: the learner judged {len(judged)} and trained {len(trained)} samples "
+                           f"whose lengths were seen: nothing to compare")
+    n, m = len(judged), len(trained)
+    return {"policy": run.mode, "seconds": round(run.seconds, 2), "steps": run.steps, "judged": n, "trained": m,
+            "dropped_stale": n - m, "filtered": sum(1 for v in known.values() if v == "filtered"),
+            "length_ks": round(ks_distance(judged, trained), 4),
+            "length_ks_critical": round(KS_CRITICAL_95 * ((n + m) / (n * m)) ** 0.5, 4),
+            "mean_length_judged": round(sum(judged) / n, 2), "mean_length_trained": round(sum(trained) / m, 2),
+            "trained_samples_per_s": round(m / run.seconds, 3), "cpu_busy": round(run.cpu_busy, 3)}
+
+
+async def policies_async(args: argparse.Namespace) -> dict[str, Any]:
+    """``--policies``: the staleness policies on the CPU pipeline (see the module docstring)."""
+    from loadtests._infra import private_stack
+
+    _quiet_libraries()
+    plan = DemoPlan(seed=args.seed, steps=args.steps or (4 if args.quick else 12))
+    if args.quick:
+        plan = dataclasses.replace(plan, sft_examples=600, sft_steps=60)
+    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+    with tempfile.TemporaryDirectory(prefix="rollout-avs-") as tmp, \
+            (private_stack() if not (args.bootstrap and args.nats) else _given(args)) as (bootstrap, nats_url):
+        root = Path(tmp)
+        model_dir = root / "model"
+        print(f"warm start ({plan.sft_steps} steps)", flush=True)
+        await anyio.to_thread.run_sync(warm_start, model_dir, plan)
+        for r in range(args.rounds):
+            for policy in (POLICIES if r % 2 == 0 else POLICIES[::-1]):
+                run_dir = root / f"{policy}-{r}"
+                cfg = default_config(f"avs-{policy}-{r}-{int(time.time())}", bootstrap, nats_url, run_dir, plan)
+                cfg = cfg.model_copy(update={
+                    "scheduler": cfg.scheduler.model_copy(update={"max_staleness": args.staleness}),
+                    "inference": cfg.inference.model_copy(update={"model_dir": str(model_dir)}),
+                    "learner": cfg.learner.model_copy(update={"max_steps": plan.steps, "staleness_policy": policy}),
+                })
+                row = policy_row(await one_run(cfg, run_dir, plan.steps, policy, args.window))
+                print(f"  {policy}: judged {row['judged']}, trained {row['trained']}, KS {row['length_ks']} "
+                      f"(chance bound {row['length_ks_critical']}), {row['trained_samples_per_s']} trained/s",
+                      flush=True)
+                rows[policy].append(row)
+    out: dict[str, Any] = {"steps": plan.steps, "staleness": args.staleness, "rounds": args.rounds,
+                           "cpus": os.cpu_count(), "policy_runs": [row for p in POLICIES for row in rows[p]]}
+    for policy in POLICIES:
+        pooled = rows[policy]
+        for key in ("length_ks", "length_ks_critical", "trained_samples_per_s", "judged", "trained", "dropped_stale"):
+            values = [row[key] for row in pooled]
+            out[f"{key}_{policy}"] = values[0] if len(values) == 1 else round(sum(values) / len(values), 4)
+    drop, keep = out["trained_samples_per_s_drop"], out["trained_samples_per_s_downweight"]
+    out["downweight_over_drop_throughput"] = round(keep / drop, 3) if drop and keep else None
+    print(f"\n{'policy':<12}{'judged':>8}{'trained':>9}{'stale-dropped':>15}{'KS':>8}{'chance 5%':>11}"
+          f"{'trained/s':>11}{'mean len judged/trained':>25}")
+    for row in out["policy_runs"]:
+        print(f"{row['policy']:<12}{row['judged']:>8}{row['trained']:>9}{row['dropped_stale']:>15}{row['length_ks']:>8.4f}"
+              f"{row['length_ks_critical']:>11.4f}{row['trained_samples_per_s']:>11.3f}"
+              f"{row['mean_length_judged']:>14.2f} / {row['mean_length_trained']:.2f}")
+    print(f"downweight / drop trained samples per second: {out['downweight_over_drop_throughput']}x")
+    return out
+
+
+POLICIES = ("drop", "downweight")
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -197,13 +302,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="sync/async pairs, alternating which goes first; prints the mean same-steps ratio and "
                         "its 95%% interval (the headline figures stay those of the first pair)")
+    p.add_argument("--policies", action="store_true",
+                   help="instead: the staleness policies drop and downweight, both async (the CPU run of issue 32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bootstrap", default=os.environ.get("ROLLOUT_KAFKA_BOOTSTRAP"))
     p.add_argument("--nats", default=os.environ.get("ROLLOUT_NATS_URL"))
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
-    out = anyio.run(main_async, args)
+    out = anyio.run(policies_async if args.policies else main_async, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 
