@@ -42,11 +42,13 @@ broker and nats-server and stops them at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,46 @@ async def one_run(cfg: EngineConfig, run_dir: Path, steps: int, mode: str, windo
                      audit_verdicts(Path(cfg.learner.checkpoint_dir) / cfg.namespace / AUDIT_LOG))
 
 
+@dataclasses.dataclass
+class _Bench:
+    """A run's warm-started model and stack; ``config`` makes one pipeline run's deployment on them."""
+
+    plan: DemoPlan
+    root: Path
+    bootstrap: str
+    nats_url: str
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "model"
+
+    def config(self, name: str, staleness: int, **learner: Any) -> tuple[EngineConfig, Path]:
+        run_dir = self.root / name
+        cfg = default_config(f"avs-{name}-{int(time.time())}", self.bootstrap, self.nats_url, run_dir, self.plan)
+        return cfg.model_copy(update={
+            "scheduler": cfg.scheduler.model_copy(update={"max_staleness": staleness}),
+            "inference": cfg.inference.model_copy(update={"model_dir": str(self.model_dir)}),
+            "learner": cfg.learner.model_copy(update={"max_steps": self.plan.steps, **learner}),
+        }), run_dir
+
+
+@contextlib.asynccontextmanager
+async def _warm_stack(args: argparse.Namespace) -> AsyncIterator[_Bench]:
+    """A broker and nats-server (private unless given), and the tiny model warm-started into a temporary dir."""
+    from loadtests._infra import private_stack
+
+    _quiet_libraries()
+    plan = DemoPlan(seed=args.seed, steps=args.steps or (4 if args.quick else 12))
+    if args.quick:
+        plan = dataclasses.replace(plan, sft_examples=600, sft_steps=60)
+    with tempfile.TemporaryDirectory(prefix="rollout-avs-") as tmp, \
+            (private_stack() if not (args.bootstrap and args.nats) else _given(args)) as (bootstrap, nats_url):
+        bench = _Bench(plan, Path(tmp), bootstrap, nats_url)
+        print(f"warm start ({plan.sft_steps} steps)", flush=True)
+        await anyio.to_thread.run_sync(warm_start, bench.model_dir, plan)
+        yield bench
+
+
 def audit_verdicts(path: Path) -> dict[str, str]:
     """sample_id -> verdict from a learner's audit log (the last life's line wins; empty if there is none)."""
     out: dict[str, str] = {}
@@ -162,28 +204,12 @@ def policy_row(run: RunResult) -> dict[str, Any]:
 
 async def policies_async(args: argparse.Namespace) -> dict[str, Any]:
     """``--policies``: the staleness policies on the CPU pipeline (see the module docstring)."""
-    from loadtests._infra import private_stack
-
-    _quiet_libraries()
-    plan = DemoPlan(seed=args.seed, steps=args.steps or (4 if args.quick else 12))
-    if args.quick:
-        plan = dataclasses.replace(plan, sft_examples=600, sft_steps=60)
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
-    with tempfile.TemporaryDirectory(prefix="rollout-avs-") as tmp, \
-            (private_stack() if not (args.bootstrap and args.nats) else _given(args)) as (bootstrap, nats_url):
-        root = Path(tmp)
-        model_dir = root / "model"
-        print(f"warm start ({plan.sft_steps} steps)", flush=True)
-        await anyio.to_thread.run_sync(warm_start, model_dir, plan)
+    async with _warm_stack(args) as bench:
+        plan = bench.plan
         for r in range(args.rounds):
             for policy in (POLICIES if r % 2 == 0 else POLICIES[::-1]):
-                run_dir = root / f"{policy}-{r}"
-                cfg = default_config(f"avs-{policy}-{r}-{int(time.time())}", bootstrap, nats_url, run_dir, plan)
-                cfg = cfg.model_copy(update={
-                    "scheduler": cfg.scheduler.model_copy(update={"max_staleness": args.staleness}),
-                    "inference": cfg.inference.model_copy(update={"model_dir": str(model_dir)}),
-                    "learner": cfg.learner.model_copy(update={"max_steps": plan.steps, "staleness_policy": policy}),
-                })
+                cfg, run_dir = bench.config(f"{policy}-{r}", args.staleness, staleness_policy=policy)
                 row = policy_row(await one_run(cfg, run_dir, plan.steps, policy, args.window))
                 print(f"  {policy}: judged {row['judged']}, trained {row['trained']}, KS {row['length_ks']} "
                       f"(chance bound {row['length_ks_critical']}), {row['trained_samples_per_s']} trained/s",
@@ -212,32 +238,16 @@ POLICIES = ("drop", "downweight")
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    from loadtests._infra import private_stack
-
-    _quiet_libraries()
-    plan = DemoPlan(seed=args.seed, steps=args.steps or (4 if args.quick else 12))
-    if args.quick:
-        plan = dataclasses.replace(plan, sft_examples=600, sft_steps=60)
     out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="rollout-avs-") as tmp, \
-            (private_stack() if not (args.bootstrap and args.nats) else _given(args)) as (bootstrap, nats_url):
-        root = Path(tmp)
-        model_dir = root / "model"
-        print(f"warm start ({plan.sft_steps} steps)", flush=True)
-        await anyio.to_thread.run_sync(warm_start, model_dir, plan)
+    async with _warm_stack(args) as bench:
+        plan = bench.plan
         runs: list[dict[str, RunResult]] = []
         for r in range(args.rounds):
             # alternate which mode goes first, so neither always runs on a warmer (or tireder) machine
             order = (("sync", 0), ("async", args.staleness))
             results = {}
             for mode, staleness in (order if r % 2 == 0 else order[::-1]):
-                run_dir = root / f"{mode}-{r}"
-                cfg = default_config(f"avs-{mode}-{r}-{int(time.time())}", bootstrap, nats_url, run_dir, plan)
-                cfg = cfg.model_copy(update={
-                    "scheduler": cfg.scheduler.model_copy(update={"max_staleness": staleness}),
-                    "inference": cfg.inference.model_copy(update={"model_dir": str(model_dir)}),
-                    "learner": cfg.learner.model_copy(update={"max_steps": plan.steps}),
-                })
+                cfg, run_dir = bench.config(f"{mode}-{r}", staleness)
                 results[mode] = await one_run(cfg, run_dir, plan.steps, mode, args.window)
             runs.append(results)
     results = runs[0]
