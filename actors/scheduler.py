@@ -897,11 +897,15 @@ class SchedulerActor(Actor):
         return None
 
     def _sampling(self, max_new_tokens: int | None, stop: Sequence[str]) -> dict[str, Any]:
-        """A task's sampling parameters: its domain's budget and stops, the inference defaults otherwise."""
-        sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens or self.rt.cfg.inference.max_new_tokens,
-                                    "temperature": self.rt.cfg.inference.temperature}
+        """A task's sampling parameters: its domain's budget and stops, the inference defaults otherwise, and
+        ``scheduler.sampling``'s overrides over both."""
+        overrides = self.cfg.sampling
+        budget = overrides.max_new_tokens or max_new_tokens or self.rt.cfg.inference.max_new_tokens
+        sampling: dict[str, Any] = {"max_new_tokens": budget, "temperature": self.rt.cfg.inference.temperature}
         if stop:
             sampling["stop"] = list(stop)
+        if overrides.ignore_eos:
+            sampling["ignore_eos"] = True
         return sampling
 
     def _next_task(self) -> Task | None:

@@ -170,6 +170,17 @@ class BalanceConfig(Section):
         return self
 
 
+class SamplingOverrides(Section):
+    """Sampling parameters the scheduler puts on every task it issues, over its domain's (load tests)."""
+
+    ignore_eos: bool = False
+    """Generate every sample to its budget whatever the model says (fixed-length generations: throughput
+    and fault-injection runs, e.g. ``loadtests/chaos.py --long``). Off for training: an answer past its end
+    is noise."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Every task's token budget, over its domain's (None: the domain's, else ``inference.max_new_tokens``)."""
+
+
 class SchedulerConfig(Section):
     domains: dict[str, float] = Field(default_factory=lambda: {"arith": 1.0})
     """Domain name -> sampling weight (normalised)."""
@@ -195,6 +206,8 @@ class SchedulerConfig(Section):
     When set, the scheduler issues these tasks (each once) instead of the ``domains`` generators."""
     task_fields: dict[str, str] = Field(default_factory=dict)
     """Field mapping for ``task_files``: task field (prompt, answer, ...) -> the files' column name."""
+    sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
+    """Sampling parameters put on every task issued, over its domain's (see ``SamplingOverrides``)."""
     published_tasks: bool = False
     """Also issue the tasks published with `rollout tasks publish` (topic ``rollout.tasks.published``), each
     once, ahead of the other sources as they arrive; with ``domains = {}`` and no ``task_files``, only those.

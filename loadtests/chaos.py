@@ -78,6 +78,9 @@ class Plan:
     inference kill almost never lands inside one; a few hundred make generations last long enough for the
     successor's takeover to be exercised (``--long``)."""
     stream_interval: int = 1
+    fixed_length: bool = False
+    """Every generation runs to ``max_new_tokens`` (``scheduler.sampling``: ``ignore_eos`` and the budget over
+    each domain's): the tiny model otherwise stops after a few tokens whatever the budget (``--long``)."""
 
 
 class Chaos:
@@ -114,6 +117,8 @@ class Chaos:
                                model_dir, max_tasks=self.plan.tasks, domains=self.plan.domains,
                                inference={"max_new_tokens": self.plan.max_new_tokens,
                                           "stream_interval": self.plan.stream_interval})
+        if self.plan.fixed_length:
+            data["scheduler"]["sampling"] = {"ignore_eos": True, "max_new_tokens": self.plan.max_new_tokens}
         path = write_toml(data, self.work / "chaos.toml")
         self.cfg = EngineConfig.model_validate(data)
         for name in ROLE_PROCS:
@@ -466,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-down", type=float, default=None, help="seconds a failed sandbox host stays down")
     parser.add_argument("--terminal", action="store_true", help="add the multi-turn terminal domain")
     parser.add_argument("--long", action="store_true",
-                        help="long generations (inference.max_new_tokens 384, 16 tokens per rollout.tokens record), "
+                        help="long generations (every one 384 tokens: scheduler.sampling ignore_eos and max_new_tokens; 16 tokens "
+                             "per rollout.tokens record), "
                              "so inference kills land inside generations and the takeover is exercised")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
@@ -488,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.terminal:
         plan.domains = {"arith": 1.0, "code": 1.0, "terminal": 0.5}
     if args.long:
-        plan.max_new_tokens, plan.stream_interval = 384, 16
+        plan.max_new_tokens, plan.stream_interval, plan.fixed_length = 384, 16, True
     work = Path(tempfile.mkdtemp(prefix="rollout-chaos-"))
     print(f"work dir {work}", flush=True)
     try:

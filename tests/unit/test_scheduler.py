@@ -116,3 +116,29 @@ def test_a_task_file_source_issues_each_row_once_with_its_domains_settings(tmp_p
     bad.write_text(json.dumps({"domain": "arith"}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: field 'prompt'"):
         TaskFileSource(bad)
+
+
+def test_sampling_overrides_go_over_the_domains_budget_and_bad_ones_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+
+    from actors.scheduler import SchedulerActor
+    from engine.config import EngineConfig, InferenceConfig, SamplingOverrides, SchedulerConfig
+
+    def sampling(overrides: SamplingOverrides, budget: int | None) -> dict[str, object]:
+        cfg = EngineConfig(inference=InferenceConfig(max_new_tokens=16, temperature=0.7),
+                           scheduler=SchedulerConfig(sampling=overrides))
+        actor = SimpleNamespace(cfg=cfg.scheduler, rt=SimpleNamespace(cfg=cfg))
+        return SchedulerActor._sampling(actor, budget, ["\n"])  # type: ignore[arg-type]
+
+    # none: the domain's budget, else the inference default; no ignore_eos
+    assert sampling(SamplingOverrides(), 8) == {"max_new_tokens": 8, "temperature": 0.7, "stop": ["\n"]}
+    assert sampling(SamplingOverrides(), None)["max_new_tokens"] == 16
+    # fixed-length generations (chaos --long): every task's budget, generated to its end
+    assert sampling(SamplingOverrides(ignore_eos=True, max_new_tokens=384), 8) == {
+        "max_new_tokens": 384, "temperature": 0.7, "stop": ["\n"], "ignore_eos": True}
+    with pytest.raises(ValidationError, match="max_new_tokens"):
+        SamplingOverrides(max_new_tokens=0)
+    with pytest.raises(ValidationError, match="top_q"):
+        SchedulerConfig.model_validate({"sampling": {"top_q": 0.9}})
