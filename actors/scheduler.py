@@ -902,6 +902,8 @@ class SchedulerActor(Actor):
         overrides = self.cfg.sampling
         budget = overrides.max_new_tokens or max_new_tokens or self.rt.cfg.inference.max_new_tokens
         sampling: dict[str, Any] = {"max_new_tokens": budget, "temperature": self.rt.cfg.inference.temperature}
+        if overrides.stop is not None:
+            stop = overrides.stop
         if stop:
             sampling["stop"] = list(stop)
         if overrides.ignore_eos:

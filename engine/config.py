@@ -179,6 +179,9 @@ class SamplingOverrides(Section):
     is noise."""
     max_new_tokens: int | None = Field(None, ge=1)
     """Every task's token budget, over its domain's (None: the domain's, else ``inference.max_new_tokens``)."""
+    stop: list[str] | None = None
+    """Every task's stop strings, over its domain's (None: the domain's; ``[]``: none, so ``ignore_eos``
+    generations run to the budget)."""
 
 
 class SchedulerConfig(Section):

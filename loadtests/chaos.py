@@ -79,8 +79,9 @@ class Plan:
     successor's takeover to be exercised (``--long``)."""
     stream_interval: int = 1
     fixed_length: bool = False
-    """Every generation runs to ``max_new_tokens`` (``scheduler.sampling``: ``ignore_eos`` and the budget over
-    each domain's): the tiny model otherwise stops after a few tokens whatever the budget (``--long``)."""
+    """Every generation runs to ``max_new_tokens`` (``scheduler.sampling``: ``ignore_eos``, no stop strings and
+    the budget over each domain's): the tiny model otherwise stops after a few tokens whatever the budget
+    (``--long``)."""
 
 
 class Chaos:
@@ -118,7 +119,7 @@ class Chaos:
                                inference={"max_new_tokens": self.plan.max_new_tokens,
                                           "stream_interval": self.plan.stream_interval})
         if self.plan.fixed_length:
-            data["scheduler"]["sampling"] = {"ignore_eos": True, "max_new_tokens": self.plan.max_new_tokens}
+            data["scheduler"]["sampling"] = {"ignore_eos": True, "max_new_tokens": self.plan.max_new_tokens, "stop": []}
         path = write_toml(data, self.work / "chaos.toml")
         self.cfg = EngineConfig.model_validate(data)
         for name in ROLE_PROCS:

@@ -138,6 +138,9 @@ def test_sampling_overrides_go_over_the_domains_budget_and_bad_ones_are_refused(
     # fixed-length generations (chaos --long): every task's budget, generated to its end
     assert sampling(SamplingOverrides(ignore_eos=True, max_new_tokens=384), 8) == {
         "max_new_tokens": 384, "temperature": 0.7, "stop": ["\n"], "ignore_eos": True}
+    # no stop strings: the generation runs to its budget
+    assert "stop" not in sampling(SamplingOverrides(ignore_eos=True, stop=[]), 8)
+    assert sampling(SamplingOverrides(stop=["###"]), 8)["stop"] == ["###"]
     with pytest.raises(ValidationError, match="max_new_tokens"):
         SamplingOverrides(max_new_tokens=0)
     with pytest.raises(ValidationError, match="top_q"):
