@@ -59,8 +59,8 @@ from domains import score  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.schemas import Experience  # noqa: E402
 from loadtests._stats import ci95, machine_cpu_jiffies  # noqa: E402
-from actors.learner import AUDIT_LOG  # noqa: E402
 from ops.demo import DemoPlan, _quiet_libraries, default_config, warm_start  # noqa: E402
+from ops.ledger import AUDIT_LOG, read_audit  # noqa: E402
 from streams.kafka import Consumer  # noqa: E402
 
 
@@ -169,14 +169,9 @@ async def _warm_stack(args: argparse.Namespace) -> AsyncIterator[_Bench]:
 
 
 def audit_verdicts(path: Path) -> dict[str, str]:
-    """sample_id -> verdict from a learner's audit log (the last life's line wins; empty if there is none)."""
-    out: dict[str, str] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if "sample_id" in row:
-                out[row["sample_id"]] = row["verdict"]
-    return out
+    """sample_id -> verdict in the lineage of a learner's audit log (``ops.ledger.read_audit``: steps a killed
+    life made past its last checkpoint and torn lines left out; empty if there is no log)."""
+    return {row.sample_id: row.verdict for row in read_audit(path).rows}
 
 
 KS_CRITICAL_95 = 1.358

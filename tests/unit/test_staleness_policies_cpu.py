@@ -16,15 +16,17 @@ def _audit(path: Path, rows: list[dict[str, object]]) -> Path:
     return path
 
 
-def test_the_audit_log_gives_each_sample_its_last_verdict(tmp_path: Path) -> None:
+def test_the_audit_log_gives_each_sample_its_verdict_in_the_lineage(tmp_path: Path) -> None:
     path = _audit(tmp_path / "audit.jsonl", [
-        {"event": "start", "life": 0, "step": 0},
-        {"life": 0, "step": 1, "version": 0, "sample_id": "a/0", "verdict": "dropped_stale"},
-        {"life": 0, "step": 1, "version": 0, "sample_id": "b/0", "verdict": "filtered"},
-        {"event": "step", "life": 0, "step": 1, "version": 0, "samples": 2, "duplicates": 0},
-        {"event": "start", "life": 1, "step": 0},  # a later life judged a/0 again (its line supersedes)
-        {"life": 1, "step": 1, "version": 0, "sample_id": "a/0", "verdict": "train"}])
-    assert audit_verdicts(path) == {"a/0": "train", "b/0": "filtered"}
+        {"event": "start", "life": "l0", "step": 0},
+        {"life": "l0", "step": 1, "version": 0, "sample_id": "a/0", "verdict": "dropped_stale"},
+        {"life": "l0", "step": 1, "version": 0, "sample_id": "b/0", "verdict": "filtered"},
+        {"event": "step", "life": "l0", "step": 1, "version": 0, "samples": 2, "duplicates": 0},
+        {"life": "l0", "step": 2, "version": 1, "sample_id": "c/0", "verdict": "train"},  # no marker: torn
+        {"event": "start", "life": "l1", "step": 0},  # killed before checkpointing step 1: it is redone
+        {"life": "l1", "step": 1, "version": 0, "sample_id": "a/0", "verdict": "train"},
+        {"event": "step", "life": "l1", "step": 1, "version": 0, "samples": 1, "duplicates": 0}])
+    assert audit_verdicts(path) == {"a/0": "train"}
     assert audit_verdicts(tmp_path / "missing.jsonl") == {}
 
 
