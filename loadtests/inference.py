@@ -120,11 +120,12 @@ def _real_requests(tok, n: int) -> list[tuple[list[int], int]]:  # type: ignore[
     return out
 
 
-async def _engine_real(model, tok, requests: list[tuple[list[int], int]], dtype: str = "fp32") -> float:  # type: ignore[no-untyped-def]
+async def _engine_real(model, tok, requests: list[tuple[list[int], int]], dtype: str = "fp32",  # type: ignore[no-untyped-def]
+                       model_thread=None) -> float:
     from modelserver.local.engine import LocalEngine
     from modelserver.local.protocol import SamplingParams
 
-    engine = LocalEngine(model, tok, max_batch=len(requests), chunk_size=CHUNK, dtype=dtype)
+    engine = LocalEngine(model, tok, max_batch=len(requests), chunk_size=CHUNK, dtype=dtype, model_thread=model_thread)
     await engine.start()
     try:
         warm = engine.submit(requests[0][0], SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))
@@ -171,6 +172,10 @@ def real_model(model_dir: Path, n: int, threads: int, repeats: int = 2) -> dict[
     The repeats interleave the two sides (engine first in even repeats, generate first in odd ones) so a
     load change on a shared machine hits both; the ratio is of the two sides' median seconds. Headline keys:
     ``hf_generate_ratio`` (fp32 / fp32) and ``hf_generate_ratio_bf16`` (bf16 / bf16).
+
+    Both sides' torch work (loading, ``generate``, the engine's steps) runs on one model thread with
+    ``threads`` intra-op threads, as in a server process: a second thread's OpenMP team would throttle
+    whichever side ran on the other (``modelserver/local/model_thread.py``).
     """
     import copy
     import os
@@ -178,10 +183,11 @@ def real_model(model_dir: Path, n: int, threads: int, repeats: int = 2) -> dict[
     import torch
 
     from modelserver.llm import load_model_dir
+    from modelserver.local.model_thread import ModelThread
 
-    torch.set_num_threads(threads)
-    model, tok = load_model_dir(model_dir)
-    models = {"fp32": model, "bf16": torch.nn.Module.to(copy.deepcopy(model), torch.bfloat16)}
+    model_thread = ModelThread(threads)
+    model, tok = model_thread.call(load_model_dir, model_dir)
+    models = {"fp32": model, "bf16": model_thread.call(lambda: torch.nn.Module.to(copy.deepcopy(model), torch.bfloat16))}
     requests = _real_requests(tok, n)
     useful = sum(k for _, k in requests)
     figures: dict[str, Any] = {"real_requests": n, "real_useful_tokens": useful, "real_threads": threads,
@@ -195,8 +201,8 @@ def real_model(model_dir: Path, n: int, threads: int, repeats: int = 2) -> dict[
         for rep in range(repeats):
             loads.append(os.getloadavg()[0])
             # the engine casts in place to its serving dtype: here the model is in that dtype already
-            sides = [lambda: engine_runs.append(asyncio.run(_engine_real(served, tok, requests, dtype))),
-                     lambda: hf_runs.append(_hf_generate_real(served, tok, requests))]
+            sides = [lambda: engine_runs.append(asyncio.run(_engine_real(served, tok, requests, dtype, model_thread))),
+                     lambda: hf_runs.append(model_thread.call(_hf_generate_real, served, tok, requests))]
             for side in sides if rep % 2 == 0 else sides[::-1]:
                 side()
         engine_s, hf_s = _median(engine_runs), _median(hf_runs)
@@ -212,6 +218,7 @@ def real_model(model_dir: Path, n: int, threads: int, repeats: int = 2) -> dict[
     figures["real_load_average"] = [round(x, 1) for x in loads]
     print(f"hf_generate_ratio (fp32/fp32): {figures['hf_generate_ratio']}x   bf16/bf16: {figures['hf_generate_ratio_bf16']}x   "
           f"(1-min load average at each repeat: {figures['real_load_average']})\n")
+    model_thread.close()
     return figures
 
 

@@ -12,8 +12,9 @@ One scheduler task owns all generation state. Each iteration (a *step*), under t
    forward pass;
 4. sampling per sequence with its own parameters and seeded generator, then stop checks.
 
-The forward passes and sampling run in a worker thread (``anyio.to_thread``) so the event loop keeps
-serving HTTP. Aborts, pauses and weight updates take effect between steps: weight updates and pauses
+The forward passes and sampling run on the engine's model thread (``local/model_thread.py``: every torch
+operation of the engine, construction included, on one thread, so the process has one OpenMP team) and
+the event loop keeps serving HTTP. Aborts, pauses and weight updates take effect between steps: weight updates and pauses
 take the step lock, aborts are applied as soon as no step is in flight.
 
 Logprob convention (same as SGLang's default): the logprob of a sampled token is taken from
@@ -32,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import anyio
 import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from modelserver.local.batching import BatchingEngine, EngineStatistics, PauseMode, Sequence
 from modelserver.local.kvstore import KVStore, build_store
+from modelserver.local.model_thread import ModelThread
 from modelserver.local.prefix_cache import PrefixCache, common_prefix
 from modelserver.local.protocol import SamplingParams
 from modelserver.local.runner import KV_CACHES, Runner
@@ -91,6 +92,8 @@ class LocalEngine(BatchingEngine):
         kv_cache_tokens: int = 65536,
         kv_block_size: int = 16,
         rescore: Rescorer | None = None,
+        model_thread: ModelThread | None = None,
+        owns_model_thread: bool | None = None,
     ) -> None:
         if max_batch < 1 or chunk_size < 1:
             raise ValueError("max_batch and chunk_size must be at least 1")
@@ -102,9 +105,13 @@ class LocalEngine(BatchingEngine):
             raise ValueError(f"kv_cache must be one of {list(KV_CACHES)}, not {kv_cache!r}")
         if dtype not in SERVING_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, not {dtype!r}")
+        self.model_thread = model_thread if model_thread is not None else ModelThread()
+        """Where every torch operation of the engine runs (``local/model_thread.py``: one OpenMP team)."""
+        self._owns_model_thread = model_thread is None if owns_model_thread is None else owns_model_thread
+        """Close the model thread with the engine (default: only a thread the engine made itself)."""
         # bf16 serving: weights and KV cache in bf16 (2-4x faster GEMMs on CPUs with avx512_bf16);
         # logits are cast to fp32 before the log-softmax, so logprobs are computed in fp32.
-        torch.nn.Module.to(model, SERVING_DTYPES[dtype])  # in place: parameters and buffers
+        self._on_model_thread(lambda: torch.nn.Module.to(model, SERVING_DTYPES[dtype]))  # in place: parameters and buffers
         self.dtype = dtype
         self.model = model
         self.tokenizer = tokenizer
@@ -118,11 +125,11 @@ class LocalEngine(BatchingEngine):
         self.chunk_size = chunk_size
         self.model_path = model_path
         self.vocab_size = int(model.config.vocab_size)
-        self.kv: KVStore = build_store(
+        self.kv: KVStore = self._on_model_thread(lambda: build_store(
             model, kv_cache, max_seqs=max_batch, kv_tokens=kv_cache_tokens, block_size=kv_block_size,
             attention_window=attention_window, attention_sinks=attention_sinks,
             retained_tokens=prefix_cache_tokens if prefix_sharing else 0, int8_tokens=prefix_cache_int8_tokens,
-            disk_tokens=prefix_cache_disk_tokens, disk_dir=prefix_cache_disk_dir, chunk_size=chunk_size)
+            disk_tokens=prefix_cache_disk_tokens, disk_dir=prefix_cache_disk_dir, chunk_size=chunk_size))
         """Where keys and values live: admission, prefix sharing and retention (``local/kvstore.py``)."""
         self.runner: Runner = self.kv.runner
         """The forward pass over the store's keys and values."""
@@ -141,8 +148,19 @@ class LocalEngine(BatchingEngine):
 
     # ---------------------------------------------------------------- what the batching core asks
 
+    def _on_model_thread(self, fn: Callable[[], Any]) -> Any:
+        """Construction step on the model thread; a failure closes a thread the engine owns."""
+        try:
+            return self.model_thread.call(fn)
+        except BaseException:
+            if self._owns_model_thread:
+                self.model_thread.close()
+            raise
+
     def _on_close(self) -> None:
-        self.kv.close()
+        self.model_thread.call(self.kv.close)
+        if self._owns_model_thread:
+            self.model_thread.close()
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.kv.check_request(len(prompt_ids), params.max_new_tokens)
@@ -190,7 +208,7 @@ class LocalEngine(BatchingEngine):
         the swap). Raises :class:`WeightUpdateError` and keeps the old weights if the checkpoint does not
         fit the model.
         """
-        state = await anyio.to_thread.run_sync(_load_state_dict, Path(model_path))
+        state = await self.model_thread.run(_load_state_dict, Path(model_path))
         expected = self.model.state_dict()
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         missing = [k for k in expected if k not in state and not (tied and k == "lm_head.weight")]
@@ -209,12 +227,12 @@ class LocalEngine(BatchingEngine):
                 if t.dtype != want and t.is_floating_point() and want.is_floating_point:
                     state[name] = t.to(want)
 
-        await anyio.to_thread.run_sync(cast)
+        await self.model_thread.run(cast)
         if abort_all:
             self.abort_all("Aborted by a weight update (abort_all_requests).")
         async with self._step_lock:
             in_flight = len(self._running)
-            await anyio.to_thread.run_sync(lambda: self.model.load_state_dict(state, strict=False))
+            await self.model_thread.run(lambda: self.model.load_state_dict(state, strict=False))
             self.invalidate_prefix_cache()
             self.model_path = model_path
             if weight_version is not None:
@@ -243,7 +261,7 @@ class LocalEngine(BatchingEngine):
         version = self.weight_version
         self._stepping = True
         try:
-            sampled = await anyio.to_thread.run_sync(self._step_sync, prefill, decode)
+            sampled = await self.model_thread.run(self._step_sync, prefill, decode)
         except Exception as exc:  # a failed forward must not kill the server: fail its sequences
             log.exception("generation step failed")
             for seq, _ in prefill:
@@ -284,7 +302,7 @@ class LocalEngine(BatchingEngine):
 
         self._stepping = True
         try:
-            await anyio.to_thread.run_sync(run)
+            await self.model_thread.run(run)
         except Exception:
             log.exception("re-scoring finished samples failed: their decode-time logprobs stay")
         finally:

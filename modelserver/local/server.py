@@ -31,6 +31,7 @@ import anyio
 from aiohttp import web
 
 from modelserver.local.engine import LocalEngine, Rescorer, Sequence, WeightUpdateError
+from modelserver.local.model_thread import ModelThread
 from modelserver.local.openai_api import add_openai_routes
 from modelserver.local.protocol import (
     BadRequest,
@@ -491,13 +492,17 @@ async def _load_engine(state: ServerState) -> None:
 
     hf_logging.disable_progress_bar()
     config = state.config
+    # Every torch operation of the served model, its loading included, runs on this one thread: a second
+    # thread's OpenMP team would throttle the first's (local/model_thread.py).
+    model_thread = ModelThread()
     try:
         if config.model_dir is None:
             state.tmp = tempfile.TemporaryDirectory(prefix="rollout-local-model-")
-            path = await anyio.to_thread.run_sync(lambda: write_tiny_model_dir(state.tmp.name, seed=config.seed))  # type: ignore[union-attr]
+            path = await model_thread.run(lambda: write_tiny_model_dir(state.tmp.name, seed=config.seed))  # type: ignore[union-attr]
             state.model_dir = str(path)
-        model, tokenizer = await anyio.to_thread.run_sync(lambda: load_model_dir(state.model_dir))
+        model, tokenizer = await model_thread.run(lambda: load_model_dir(state.model_dir))
     except Exception as exc:
+        model_thread.close()
         log.exception("model load failed")
         state.load_error = f"model load failed: {exc!r}"
         state.load_failed.set()
@@ -520,6 +525,8 @@ async def _load_engine(state: ServerState) -> None:
         weight_version=config.weight_version,
         model_path=state.model_dir,
         rescore=config.rescore,
+        model_thread=model_thread,
+        owns_model_thread=True,
     )
     await engine.start()
     state.engine = engine
