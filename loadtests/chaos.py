@@ -32,7 +32,12 @@ Headline keys: ``kills``, ``tasks_admitted``, ``samples_lost``, ``samples_traine
 - ``samples_taken_over`` / ``tokens_kept_after_takeover``: generations a restarted inference process
   continued where the killed one stopped (a chunk with ``seq`` > 0 from another producer), and the streamed
   tokens those kept (actors/inference/resume.py);
-- ``recovery_s.<role>.p50`` / ``.p99``: SIGKILL to the restarted daemon's ready line, per role.
+- ``recovery_s.<role>.p50`` / ``.p99``: SIGKILL to the restarted daemon's ready line, per role;
+- with ``--long``, inference kills are aimed: each waits until ``rollout.tokens`` shows a generation in flight
+  (a chunk in the last 0.8 s, no ``done`` since). ``inference_kills_in_generation`` counts those that found
+  one, and ``in_flight_taken_over`` / ``in_flight_regenerated`` / ``in_flight_finished_by_first`` say what
+  became of the generations they saw (continued by the successor, generated again from the start, or ended
+  before the kill landed).
 
 ``--kills N`` stretches the fault schedule to at least ``SECONDS_PER_KILL`` x N seconds unless
 ``--duration`` is given (restarts on a small host take seconds each).
@@ -58,6 +63,10 @@ from loadtests._cluster import (ROLE_PROCS, RoleProc, Stack, experience_progress
                                 pipeline_config, poll, write_toml)
 
 SECONDS_PER_KILL = 3.0
+AIM_WAIT_S = 30.0
+"""How long an aimed inference kill waits for a generation in flight before it kills anyway."""
+IN_FLIGHT_WINDOW_S = 0.8
+"""A generation is in flight when it streamed a chunk this recently and no ``done`` chunk since."""
 """The fault schedule's length per kill when ``--kills`` is given without ``--duration``."""
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -78,6 +87,9 @@ class Plan:
     inference kill almost never lands inside one; a few hundred make generations last long enough for the
     successor's takeover to be exercised (``--long``)."""
     stream_interval: int = 1
+    aim_inference_kills: bool = False
+    """An inference kill waits (up to ``AIM_WAIT_S``) until ``rollout.tokens`` shows a generation in flight, so
+    it lands inside one and its successor has acknowledged tokens to continue from (``--long``)."""
     fixed_length: bool = False
     """Every generation runs to ``max_new_tokens`` (``scheduler.sampling``: ``ignore_eos``, no stop strings and
     the budget over each domain's): the tiny model otherwise stops after a few tokens whatever the budget
@@ -100,6 +112,7 @@ class Chaos:
         self.unexpected_exits: dict[str, int] = {}
         self.recovery_s: dict[str, list[float]] = {}  # role -> SIGKILL to the restarted daemon's ready line
         self.not_recovered: dict[str, int] = {}
+        self.aimed_kills: list[set[str]] = []  # per aimed inference kill: the samples seen in flight when it fired
 
     def note(self, kind: str, **fields: Any) -> None:
         t = round(time.monotonic() - self.started, 1)
@@ -143,7 +156,41 @@ class Chaos:
                         p.start()
 
     # -- faults ----------------------------------------------------------------------------------
+    def generations_in_flight(self) -> set[str]:
+        """Samples that streamed a chunk on ``rollout.tokens`` in the last ``IN_FLIGHT_WINDOW_S`` and no ``done``
+        chunk in that time (the broker's time index picks the window; nothing is committed)."""
+        from engine.schemas import TokenChunk
+        from engine.topics import Names
+        from streams.kafka import read_range
+
+        since_ms = int((time.time() - IN_FLIGHT_WINDOW_S) * 1000)
+        streaming: set[str] = set()
+        done: set[str] = set()
+        for _, _, env in read_range(self.cfg.kafka, Names(self.cfg.namespace).tokens, since_ms=since_ms,
+                                    timeout_s=10.0, client_id="rollout-chaos-aim"):
+            chunk = getattr(env, "message", None)
+            if isinstance(chunk, TokenChunk):
+                (done if chunk.done else streaming).add(chunk.sample_id)
+        return streaming - done
+
+    def _aim(self) -> set[str]:
+        """Wait up to ``AIM_WAIT_S`` for a generation in flight; the samples found (empty: none came)."""
+        deadline = time.monotonic() + AIM_WAIT_S
+        while time.monotonic() < deadline and not self._stop_watch.is_set():
+            try:
+                found = self.generations_in_flight()
+            except Exception as exc:  # the broker is restarting: look again
+                self.log(f"aim: rollout.tokens not readable now ({exc!r})")
+                found = set()
+            if found:
+                return found
+            time.sleep(0.1)  # the watch's polling cadence, not a readiness wait
+        return set()
+
     def kill_and_restart(self, name: str) -> None:
+        in_flight: set[str] | None = None
+        if name == "inference" and self.plan.aim_inference_kills and self.procs[name].alive():
+            in_flight = self._aim()
         with self._lock:
             if self.procs[name].held_down or not self.procs[name].alive():
                 # that host is down, or the process is between lives (or finished): hit a live one instead
@@ -155,7 +202,11 @@ class Chaos:
             killed_at = time.monotonic()
             p.kill()
             p.start()
-        self.note("SIGKILL + restart", proc=name, pid=p.pid)
+        if in_flight is not None and name == "inference":
+            self.aimed_kills.append(in_flight)
+            self.note("SIGKILL + restart", proc=name, pid=p.pid, generations_in_flight=len(in_flight))
+        else:
+            self.note("SIGKILL + restart", proc=name, pid=p.pid)
         threading.Thread(target=self._time_recovery, args=(p, killed_at), daemon=True).start()
 
     def _time_recovery(self, p: RoleProc, killed_at: float) -> None:
@@ -339,9 +390,26 @@ def taken_over(chunks: list[tuple[int, int, int, str]]) -> tuple[int, int]:
     return times, kept
 
 
-def frontier_figures(cfg: Any, scheduler_admitted: int) -> dict[str, int]:
+def in_flight_fates(chunks: dict[str, list[tuple[int, int, int, str]]], watched: set[str]) -> dict[str, int]:
+    """What became of the generations an aimed kill saw in flight, from their chunks ``(offset, seq, tokens,
+    producer)``: continued by another process (``taken_over``), generated again from the start (``regenerated``),
+    or finished by the process that started them (``finished_by_first``: it ended before the kill landed)."""
+    fates = {"taken_over": 0, "regenerated": 0, "finished_by_first": 0}
+    for sample in watched:
+        records = sorted(chunks.get(sample, []))
+        if taken_over(records)[0]:
+            fates["taken_over"] += 1
+        elif sum(1 for _, seq, _, _ in records if seq == 0) > 1:
+            fates["regenerated"] += 1
+        elif records and len({producer for *_, producer in records}) == 1:
+            fates["finished_by_first"] += 1
+    return fates
+
+
+def frontier_figures(cfg: Any, scheduler_admitted: int, watched: set[str] | None = None) -> dict[str, int]:
     """``prompts_skipped``, ``prompts_duplicated`` and ``tokens_regenerated`` from the topics (see the module
-    docstring); records re-sent with the same message id are counted once."""
+    docstring), and the fates of the ``watched`` generations (seen in flight by aimed kills); records re-sent
+    with the same message id are counted once."""
     from engine.schemas import Task, TokenChunk
     from engine.topics import Names
     from ops.ledger import TopicRecord, read_topic
@@ -372,6 +440,7 @@ def frontier_figures(cfg: Any, scheduler_admitted: int) -> dict[str, int]:
         "tokens_streamed": sum(n for records in chunks.values() for _, _, n, _ in records),
         "samples_taken_over": sum(times for times, _ in takeovers),
         "tokens_kept_after_takeover": sum(kept for _, kept in takeovers),
+        **{f"in_flight_{k}": v for k, v in in_flight_fates(chunks, watched or set()).items()},
     }
 
 
@@ -386,7 +455,8 @@ def run(plan: Plan, work: Path, *, log: Callable[[str], None] = print) -> dict[s
         finish = chaos.wait_finished()
         rcs = chaos.shutdown()
         report = build_ledger(chaos.cfg)
-        frontier = frontier_figures(chaos.cfg, int(finish.get("scheduler", {}).get("tasks_admitted", 0)))
+        watched = set().union(*chaos.aimed_kills) if chaos.aimed_kills else set()
+        frontier = frontier_figures(chaos.cfg, int(finish.get("scheduler", {}).get("tasks_admitted", 0)), watched)
     finally:
         chaos._stop_watch.set()
         for p in chaos.procs.values():
@@ -408,6 +478,9 @@ def run(plan: Plan, work: Path, *, log: Callable[[str], None] = print) -> dict[s
                               "n": len(chaos.recovery_s.get(role, []))}
                        for role in sorted({p.role for p in chaos.procs.values()})},
         "not_recovered": chaos.not_recovered,
+        "inference_kills_aimed": len(chaos.aimed_kills),
+        "inference_kills_in_generation": sum(1 for found in chaos.aimed_kills if found),
+        "generations_in_flight_at_kills": len(watched),
         "fault_schedule_s": plan.duration_s,
         "seconds_per_kill": round(seconds / kills, 1) if kills else None,
         "samples_expected": summary["samples_expected"],
@@ -454,7 +527,9 @@ def print_results(results: dict[str, Any]) -> None:
     print(f"{'samples lost':<28}{results['samples_lost']:>8}")
     print(f"{'samples trained twice':<28}{results['samples_trained_twice']:>8}")
     for key in ("prompts_skipped", "prompts_duplicated", "tokens_regenerated", "tokens_streamed", "samples_taken_over",
-                "tokens_kept_after_takeover"):
+                "tokens_kept_after_takeover", "inference_kills_aimed", "inference_kills_in_generation",
+                "generations_in_flight_at_kills", "in_flight_taken_over", "in_flight_regenerated",
+                "in_flight_finished_by_first"):
         print(f"{key.replace('_', ' '):<28}{results[key]:>8}")
     for role, r in results["recovery_s"].items():
         print(f"{'recovery s ' + role:<28}{'p50 ' + str(r['p50']):>12}{'p99 ' + str(r['p99']):>12}   n={r['n']}")
@@ -474,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long", action="store_true",
                         help="long generations (every one 384 tokens: scheduler.sampling ignore_eos and max_new_tokens; 16 tokens "
                              "per rollout.tokens record), "
-                             "so inference kills land inside generations and the takeover is exercised")
+                             "and inference kills aimed at a generation in flight, so the takeover is exercised")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
     args = parser.parse_args(argv)
@@ -495,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.terminal:
         plan.domains = {"arith": 1.0, "code": 1.0, "terminal": 0.5}
     if args.long:
-        plan.max_new_tokens, plan.stream_interval, plan.fixed_length = 384, 16, True
+        plan.max_new_tokens, plan.stream_interval, plan.fixed_length, plan.aim_inference_kills = 384, 16, True, True
     work = Path(tempfile.mkdtemp(prefix="rollout-chaos-"))
     print(f"work dir {work}", flush=True)
     try:

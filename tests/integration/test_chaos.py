@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.chaos import Plan, flatten, regenerated_tokens, run, taken_over
+from loadtests.chaos import Plan, flatten, in_flight_fates, regenerated_tokens, run, taken_over
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -61,3 +61,15 @@ def test_taken_over_counts_continuations_by_another_process_and_the_tokens_they_
     assert taken_over(continued) == (1, 8)
     assert taken_over([(0, 0, 4, "p1"), (1, 1, 4, "p1")]) == (0, 0)  # one life
     assert taken_over([(0, 0, 4, "p1"), (3, 0, 4, "p2"), (4, 1, 4, "p2")]) == (0, 0)  # started again: kept none
+
+
+def test_in_flight_fates_tell_a_continued_generation_from_one_generated_again_and_one_that_ended_first():
+    chunks = {
+        "cont": [(0, 0, 4, "p1"), (1, 1, 4, "p1"), (5, 2, 4, "p2")],  # the successor numbered on
+        "again": [(2, 0, 4, "p1"), (6, 0, 4, "p2"), (7, 1, 4, "p2")],  # started from seq 0 a second time
+        "ended": [(3, 0, 4, "p1"), (4, 1, 2, "p1")],  # finished in the first life: the kill came after it
+        "unwatched": [(8, 0, 4, "p1"), (9, 1, 4, "p2")],
+    }
+    fates = in_flight_fates(chunks, {"cont", "again", "ended"})
+    assert fates == {"taken_over": 1, "regenerated": 1, "finished_by_first": 1}
+    assert in_flight_fates(chunks, set()) == {"taken_over": 0, "regenerated": 0, "finished_by_first": 0}
