@@ -62,7 +62,10 @@ class Runtime:
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}"
         transport = transport_named(cfg.transport.type)  # ConfigError naming transport.type when unknown
         self.event_log: EventLog = event_log if event_log is not None else transport.event_log(cfg)
-        self.producer: EventProducer = self.event_log.producer(producer_id=f"{cfg.namespace}/{self.instance}")
+        # The producer id names the process that produced a record, not only its instance: an instance named
+        # by the operator (``--instance``) keeps its name across restarts, so its pid tells one life from the next.
+        life = self.instance if instance is None else f"{self.instance}:{os.getpid()}"
+        self.producer: EventProducer = self.event_log.producer(producer_id=f"{cfg.namespace}/{life}")
         if not use_nats:
             store = None
         elif store is None:

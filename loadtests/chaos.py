@@ -156,9 +156,11 @@ class Chaos:
                         p.start()
 
     # -- faults ----------------------------------------------------------------------------------
-    def generations_in_flight(self) -> set[str]:
-        """Samples that streamed a chunk on ``rollout.tokens`` in the last ``IN_FLIGHT_WINDOW_S`` and no ``done``
-        chunk in that time (the broker's time index picks the window; nothing is committed)."""
+    def generations_in_flight(self, pid: int) -> set[str]:
+        """Samples that process ``pid`` streamed a chunk of on ``rollout.tokens`` in the last
+        ``IN_FLIGHT_WINDOW_S``, with no ``done`` chunk in that time (the broker's time index picks the window;
+        nothing is committed). Chunks of an earlier life of the role do not count: a producer id ends in its
+        process id (``<host>-<pid>``, or ``<instance>:<pid>`` under ``--instance`` as here)."""
         from engine.schemas import TokenChunk
         from engine.topics import Names
         from streams.kafka import read_range
@@ -169,16 +171,17 @@ class Chaos:
         for _, _, env in read_range(self.cfg.kafka, Names(self.cfg.namespace).tokens, since_ms=since_ms,
                                     timeout_s=10.0, client_id="rollout-chaos-aim"):
             chunk = getattr(env, "message", None)
-            if isinstance(chunk, TokenChunk):
+            if isinstance(chunk, TokenChunk) and str(getattr(env, "producer", "")).endswith((f"-{pid}", f":{pid}")):
                 (done if chunk.done else streaming).add(chunk.sample_id)
         return streaming - done
 
-    def _aim(self) -> set[str]:
-        """Wait up to ``AIM_WAIT_S`` for a generation in flight; the samples found (empty: none came)."""
+    def _aim(self, p: RoleProc) -> set[str]:
+        """Wait up to ``AIM_WAIT_S`` for a generation of ``p``'s current life in flight; the samples found
+        (empty: none came)."""
         deadline = time.monotonic() + AIM_WAIT_S
         while time.monotonic() < deadline and not self._stop_watch.is_set():
             try:
-                found = self.generations_in_flight()
+                found = self.generations_in_flight(p.pid) if p.pid is not None else set()
             except Exception as exc:  # the broker is restarting: look again
                 self.log(f"aim: rollout.tokens not readable now ({exc!r})")
                 found = set()
@@ -190,7 +193,7 @@ class Chaos:
     def kill_and_restart(self, name: str) -> None:
         in_flight: set[str] | None = None
         if name == "inference" and self.plan.aim_inference_kills and self.procs[name].alive():
-            in_flight = self._aim()
+            in_flight = self._aim(self.procs[name])
         with self._lock:
             if self.procs[name].held_down or not self.procs[name].alive():
                 # that host is down, or the process is between lives (or finished): hit a live one instead
