@@ -114,3 +114,13 @@ def newer_than_v0(log: object, topic: str) -> bool:
     assert isinstance(log, MemoryEventLog)
     return any(isinstance(m, Completion) and m.weight_versions.size and int(m.weight_versions.max()) >= 1
                for m in log.messages(topic))
+
+
+def test_the_producer_id_names_the_process_even_under_an_instance_name() -> None:
+    import os
+
+    cfg = EngineConfig(namespace="ns", transport=TransportConfig(type="memory"))
+    named = Runtime(cfg, instance="inference")  # a daemon's --instance: the same name in every life
+    assert named.producer.producer_id == f"ns/inference:{os.getpid()}"
+    assert Runtime(cfg).producer.producer_id == f"ns/{Runtime(cfg).instance}"  # <host>-<pid> already
+    assert Runtime(cfg).instance.endswith(f"-{os.getpid()}")
