@@ -113,6 +113,7 @@ class Chaos:
         self.recovery_s: dict[str, list[float]] = {}  # role -> SIGKILL to the restarted daemon's ready line
         self.not_recovered: dict[str, int] = {}
         self.aimed_kills: list[set[str]] = []  # per aimed inference kill: the samples seen in flight when it fired
+        self.aim_waited_s = 0.0  # time aimed kills spent waiting: the rest of the schedule moves back by it
 
     def note(self, kind: str, **fields: Any) -> None:
         t = round(time.monotonic() - self.started, 1)
@@ -193,7 +194,9 @@ class Chaos:
     def kill_and_restart(self, name: str) -> None:
         in_flight: set[str] | None = None
         if name == "inference" and self.plan.aim_inference_kills and self.procs[name].alive():
+            waited = time.monotonic()
             in_flight = self._aim(self.procs[name])
+            self.aim_waited_s += time.monotonic() - waited
         with self._lock:
             if self.procs[name].held_down or not self.procs[name].alive():
                 # that host is down, or the process is between lives (or finished): hit a live one instead
@@ -279,7 +282,8 @@ class Chaos:
         t0 = time.monotonic()
         background: list[threading.Thread] = []
         for at, action, label in self.schedule():
-            delay = at - (time.monotonic() - t0)
+            # an aimed kill's wait delays what follows instead of bunching it up behind the kill
+            delay = at + self.aim_waited_s - (time.monotonic() - t0)
             if delay > 0:
                 time.sleep(delay)  # the fault schedule's own clock, not a readiness check
             if label in ("broker restart", "nats restart"):  # outages overlap the kills that follow
@@ -482,6 +486,7 @@ def run(plan: Plan, work: Path, *, log: Callable[[str], None] = print) -> dict[s
                        for role in sorted({p.role for p in chaos.procs.values()})},
         "not_recovered": chaos.not_recovered,
         "inference_kills_aimed": len(chaos.aimed_kills),
+        "aim_waited_s": round(chaos.aim_waited_s, 1),
         "inference_kills_in_generation": sum(1 for found in chaos.aimed_kills if found),
         "generations_in_flight_at_kills": len(watched),
         "fault_schedule_s": plan.duration_s,
