@@ -32,7 +32,7 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +212,8 @@ class InferenceActor(StreamActor):
         self._reply_events: dict[tuple[str, str, int], anyio.Event] = {}
         self.weight_version = 0
         self._version_applied = anyio.Event()  # set (and replaced) whenever a weight version is applied
-        self._update_epoch = 0  # bumped by every weight update; an abort seen across a bump is resumed
+        self._update_epoch = 0  # bumped as a weight update begins and as it ends; an abort seen across a bump is resumed
+        self._updates_in_flight = 0  # an abort that comes while an update is in flight is resumed too
         self._weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rollout-weights-"))
         self.samples_done = 0
         self.tokens_out = 0
@@ -263,8 +264,7 @@ class InferenceActor(StreamActor):
                 continue
             vdir = await sub.fetch(manifest)
             if self.partial_rollouts:
-                with anyio.fail_after(self.rt.cfg.inference.weight_sync_timeout_s):
-                    self._update_epoch += 1
+                with anyio.fail_after(self.rt.cfg.inference.weight_sync_timeout_s), self._weights_swap():
                     await self.client.update_weights_from_disk(str(vdir), weight_version=str(manifest.version),
                                                                abort_all_requests=True)
             else:
@@ -276,6 +276,20 @@ class InferenceActor(StreamActor):
             self._version_applied.set()
             self._version_applied = anyio.Event()
             log.info("%s: applied weight version %d", self.name, manifest.version)
+
+    @contextlib.contextmanager
+    def _weights_swap(self) -> Iterator[None]:
+        """Around a weight update that aborts the server's requests (partial rollouts): every generation
+        aborted meanwhile is resumed with its tokens kept. One that began after the update started (its
+        epoch already bumped) and was aborted by it is caught by the in-flight count, or by the second
+        bump when its abort arrives after the update returned."""
+        self._update_epoch += 1
+        self._updates_in_flight += 1
+        try:
+            yield
+        finally:
+            self._updates_in_flight -= 1
+            self._update_epoch += 1
 
     # -- sandbox replies ---------------------------------------------------------------------------
     async def _dispatch_results(self) -> None:
@@ -510,7 +524,8 @@ class InferenceActor(StreamActor):
                         self._stream_tokens(record, task, sample, unsent, chunk_headers)
             assert final is not None
             kind = final.finish_type or "unknown"
-            again = kind == "abort" and self._update_epoch != epoch and len(mine) < budget and not self.draining
+            swapped = self._update_epoch != epoch or self._updates_in_flight > 0
+            again = kind == "abort" and swapped and len(mine) < budget and not self.draining
             done = whole_sample and not again
             if unsent[0] or done:  # the rest, once the stream has ended; the last record of the sample is done
                 self._stream_tokens(record, task, sample, unsent, chunk_headers, finish_reason=kind if done else "")
