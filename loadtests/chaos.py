@@ -63,11 +63,11 @@ from loadtests._cluster import (ROLE_PROCS, RoleProc, Stack, experience_progress
                                 pipeline_config, poll, write_toml)
 
 SECONDS_PER_KILL = 3.0
+"""The fault schedule's length per kill when ``--kills`` is given without ``--duration``."""
 AIM_WAIT_S = 30.0
 """How long an aimed inference kill waits for a generation in flight before it kills anyway."""
 IN_FLIGHT_WINDOW_S = 0.8
 """A generation is in flight when it streamed a chunk this recently and no ``done`` chunk since."""
-"""The fault schedule's length per kill when ``--kills`` is given without ``--duration``."""
 
 # -- the run ---------------------------------------------------------------------------------------
 

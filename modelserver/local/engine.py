@@ -131,6 +131,7 @@ class LocalEngine(BatchingEngine):
             retained_tokens=prefix_cache_tokens if prefix_sharing else 0, int8_tokens=prefix_cache_int8_tokens,
             disk_tokens=prefix_cache_disk_tokens, disk_dir=prefix_cache_disk_dir, chunk_size=chunk_size))
         """Where keys and values live: admission, prefix sharing and retention (``local/kvstore.py``)."""
+        self._kv_closed = False
         self.runner: Runner = self.kv.runner
         """The forward pass over the store's keys and values."""
         eos = getattr(model.config, "eos_token_id", None)
@@ -158,6 +159,9 @@ class LocalEngine(BatchingEngine):
             raise
 
     def _on_close(self) -> None:
+        if self._kv_closed:  # aclose is idempotent; the model thread may be gone by a second call
+            return
+        self._kv_closed = True
         self.model_thread.call(self.kv.close)
         if self._owns_model_thread:
             self.model_thread.close()

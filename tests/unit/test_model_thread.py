@@ -99,7 +99,12 @@ async def test_the_engine_builds_steps_and_swaps_weights_on_its_model_thread(tmp
         assert engine.weight_version == "2"
     finally:
         await engine.aclose()
+    await engine.aclose()  # idempotent: the store is not closed twice
     model_ident = thread.call(threading.get_ident)
     assert seen["step"] == {model_ident} and seen["load_state_dict"] == {model_ident}
     assert model_ident != threading.get_ident()
     thread.close()  # given to the engine, not owned by it: still usable after aclose
+
+    owned = LocalEngine(model, tok, max_batch=2, chunk_size=16)  # makes and owns its thread
+    await owned.aclose()
+    await owned.aclose()  # before: the second close called into the shut-down thread and raised
