@@ -58,7 +58,7 @@ from actors import tracing
 from actors.learner_checkpoint import CheckpointStore
 from learning import canary
 from learning.core import Learner, StepReport, Verdict, score_tokens
-from modelserver.client import SGLangClient, SGLangError
+from modelserver.client import SGLangClient, SGLangError, SGLangHTTPError, SGLangProtocolError
 from modelserver.llm import build_char_tokenizer, build_tiny_model, load_model_dir, save_model_dir, tiny_config
 from actors.runtime import Runtime
 from engine.actor import Actor
@@ -171,6 +171,8 @@ class LearnerActor(Actor):
         self.canary_trips = 0
         self.canary_gap: float | None = None
         self.canary_tripped: str | None = None
+        self.weights_check = WeightsCheck(self.cfg, rt.cfg.inference.dtype)
+        """The canary's exact check against bf16 servers (expected values, servers that cannot answer)."""
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -182,6 +184,9 @@ class LearnerActor(Actor):
             from actors.learner_sim import describe
 
             log.warning("%s: SIMULATED learner (no training): %s", self.name, describe(self.cfg.simulate))
+        if self.cfg.canary_every and self.probe_urls and self.cfg.simulate is None and self.weights_check.active:
+            # learner.canary_weights against this model: a name it lacks stops the start (ValueError names it)
+            await anyio.to_thread.run_sync(self.weights_check.plan, self.learner)
         self._audit([{"event": "start", "life": self._life, "step": self.learner.step_count,
                       "version": self.learner.version,
                       "resumed_from": self.resumed_from.name if self.resumed_from else None}])
@@ -442,7 +447,8 @@ class LearnerActor(Actor):
                 verdicts.append(await probe_server(url, self.learner, self.tokenizer, self.cfg, self._published_at,
                                                    api_key=self.rt.cfg.inference.resolved_api_key(),
                                                    timeout_s=self.rt.cfg.inference.request_timeout_s,
-                                                   serving_dtype=self.rt.cfg.inference.dtype))
+                                                   serving_dtype=self.rt.cfg.inference.dtype,
+                                                   weights_check=self.weights_check))
             except (SGLangError, OSError) as exc:
                 log.warning("%s: canary could not probe %s: %s", self.name, url, exc)
                 return  # an unreachable server is the supervisor's business; probe again later
@@ -488,28 +494,107 @@ class CanaryTripped(RuntimeError):
     """The weights canary found a server not serving what it claims (``learner.canary_action = "stop"``)."""
 
 
+class WeightsCheck:
+    """The learner's side of the canary's exact check against bf16 servers (``learning/canary.py``,
+    :func:`~learning.canary.judge_weights`): which parameters to ask for and how many rows
+    (``learner.canary_weights``), the learner's values as the servers should hold them (computed once per
+    weight version, for every server), and the servers that cannot answer ``/get_weights_by_name``.
+
+    A server answering 404 or 405 (no such endpoint) or 400 (SGLang's answer when its model class cannot
+    look the name up) is remembered, said once at warning level, and probed by log-probs from then on.
+    """
+
+    UNAVAILABLE = (400, 404, 405)
+    """Statuses that make the exact check unavailable on a server (see the class docstring)."""
+
+    def __init__(self, cfg: LearnerConfig, serving_dtype: str) -> None:
+        self.cfg = cfg
+        self.serving_dtype = serving_dtype
+        self.unavailable: set[str] = set()
+        """Servers that cannot answer; the log-prob probe is used there."""
+        self._expected: tuple[tuple[int, int], dict[str, tuple[int, list[Any]]]] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Only bf16 servers are checked this way; fp32 servers keep the log-prob probe (1e-3 catches a missed
+        update there)."""
+        return self.serving_dtype == "bf16"
+
+    def _plan(self, model: PreTrainedModel, state: dict[str, torch.Tensor]) -> dict[str, int]:
+        names = self.cfg.canary_weights or canary.default_weight_names(int(model.config.num_hidden_layers))
+        return canary.weight_plan(names, {name: tuple(t.shape) for name, t in state.items()})
+
+    def plan(self, learner: Learner) -> dict[str, int]:
+        """``name -> truncate_size`` (``canary.weight_plan``); ``ValueError`` for a name the model lacks.
+        Runs in a worker thread (with LoRA the adapters are merged: the published names are read)."""
+        with learner.export_model() as model:
+            return self._plan(model, model.state_dict())
+
+    def expected(self, learner: Learner) -> dict[str, tuple[int, list[Any]]]:
+        """``name -> (truncate_size, values)``: the learner's published weights as a server holds them (fp32 ->
+        ``learner.publish_dtype`` -> the serving dtype). Worker thread; cached for the weights held now."""
+        held = (learner.version, learner.step_count)
+        if self._expected is not None and self._expected[0] == held:
+            return self._expected[1]
+        with learner.export_model() as model:  # LoRA adapters merged, as in the publication
+            state = model.state_dict()
+            values = {name: (rows, canary.served_values(state[name], rows, self.cfg.publish_dtype, self.serving_dtype))
+                      for name, rows in self._plan(model, state).items()}
+        self._expected = (held, values)
+        return values
+
+    async def compare(self, client: SGLangClient, url: str, claimed: int, learner: Learner) -> canary.Verdict | None:
+        """The exact check of ``url`` (which claims the learner's version, held unchanged since its
+        publication); None when the server cannot answer (then the caller probes log-probs)."""
+        expected = await anyio.to_thread.run_sync(self.expected, learner)
+        served: dict[str, Any] = {}
+        for name, (rows, _) in expected.items():
+            try:
+                served[name] = await client.get_weights_by_name(name, rows, url=url)
+            except (SGLangHTTPError, SGLangProtocolError) as exc:
+                if exc.status not in self.UNAVAILABLE:
+                    raise
+                self.unavailable.add(url)
+                log.warning("canary: %s cannot answer /get_weights_by_name (%s); the exact weights check against "
+                            "this bf16 server is unavailable, its probe log-probs are compared instead (threshold "
+                            "%g: gross failures only, not one missed update)", url, exc,
+                            canary.effective_threshold(self.cfg.canary_threshold, self.serving_dtype))
+                return None
+        return canary.judge_weights(url=url, claimed=claimed, expected={n: v for n, (_, v) in expected.items()},
+                                    served=served, cast=f"float32 -> {self.cfg.publish_dtype} -> {self.serving_dtype}")
+
+
 async def probe_server(url: str, learner: Learner, tokenizer: PreTrainedTokenizerBase, cfg: LearnerConfig,
                        published_at: dict[int, float], *, api_key: str | None = None,
-                       timeout_s: float = 60.0, serving_dtype: str = "fp32") -> canary.Verdict:
+                       timeout_s: float = 60.0, serving_dtype: str = "fp32",
+                       weights_check: WeightsCheck | None = None) -> canary.Verdict:
     """One canary probe of the server at ``url`` (``learning/canary.py``): a fixed prompt generated there at
-    temperature 1, its log-probs against the learner's own under the version the server claims."""
+    temperature 1, and the version it claims. At the learner's version (no step since its publication) a bf16
+    server's weights are compared exactly (:class:`WeightsCheck`; ``weights_check`` keeps what it learned
+    between probes), any other server's probe log-probs against the learner's own."""
     prompt = list(tokenizer.encode(canary.PROBE_TEXT, add_special_tokens=False))
+    check = weights_check if weights_check is not None else WeightsCheck(cfg, serving_dtype)
     client = SGLangClient([url], timeout=timeout_s, api_key=api_key)
     try:
         result = await client.generate(prompt, sampling_params={"max_new_tokens": canary.PROBE_TOKENS,
                                                                 "temperature": 1.0, "sampling_seed": 0},
                                        rid=f"canary-{uuid.uuid4().hex[:8]}")
+        try:
+            claimed = int(result.weight_version or "")
+        except ValueError:
+            return canary.Verdict(False, f"server {url} reports no integer weight version ({result.weight_version!r})")
+        comparable = claimed == learner.version and learner.serves_own_version
+        if comparable and check.active and url not in check.unavailable:
+            verdict = await check.compare(client, url, claimed, learner)
+            if verdict is not None:
+                return verdict
     finally:
         await client.aclose()
-    try:
-        claimed = int(result.weight_version or "")
-    except ValueError:
-        return canary.Verdict(False, f"server {url} reports no integer weight version ({result.weight_version!r})")
-    comparable = claimed == learner.version and learner.serves_own_version
     ours = (await anyio.to_thread.run_sync(score_tokens, learner.model, prompt, list(result.output_ids), 1.0)
             if comparable else None)
     since = published_at.get(claimed + 1)
     return canary.judge(url=url, claimed=claimed, learner_version=learner.version, comparable=comparable,
                         server_logprobs=list(result.logprobs or []), learner_logprobs=ours,
-                        threshold=canary.effective_threshold(cfg.canary_threshold, serving_dtype), lag_s=None if since is None else time.monotonic() - since,
+                        threshold=canary.effective_threshold(cfg.canary_threshold, serving_dtype),
+                        lag_s=None if since is None else time.monotonic() - since,
                         max_lag_s=cfg.canary_max_lag_s)

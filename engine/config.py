@@ -470,6 +470,16 @@ class LearnerConfig(Section):
     stale_decay: float = Field(0.5, gt=0, le=1)
     """Loss-weight factor per version beyond the staleness bound under ``staleness_policy = "downweight"``."""
 
+    @field_validator("canary_weights")
+    @classmethod
+    def _canary_weights_named(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("an empty list compares nothing: leave canary_weights unset for the defaults "
+                             "(or set canary_every = 0 to turn the canary off)")
+        if value is not None and not all(name.strip() for name in value):
+            raise ValueError(f"parameter names must not be blank, got {value}")
+        return value
+
     @field_validator("off_policy_band")
     @classmethod
     def _band_low_below_high(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
@@ -533,6 +543,11 @@ class LearnerConfig(Section):
     """Largest probe gap |server - learner| / max(1, |logp|) at the same version before the canary trips."""
     canary_max_lag_s: float = Field(300.0, gt=0)
     """A server still claiming an older version this long after the next one was published trips the canary."""
+    canary_weights: list[str] | None = None
+    """Against bf16 servers (``inference.dtype = "bf16"``) the canary compares weights, not log-probs: these
+    parameters' leading values (Hugging Face names) as the server answers ``/get_weights_by_name``, bit for bit
+    against the learner's cast as the server loaded them. None: layer 0's and the last layer's
+    ``mlp.down_proj.weight`` and ``model.norm.weight``. A name the model lacks stops the learner at start-up."""
     canary_action: Literal["warn", "stop"] = "warn"
     """On a trip: ``warn`` (error log, ``canary_trips`` metric, status) or ``stop`` (that, then the learner
     fails: no more training on samples from weights nobody can vouch for)."""

@@ -620,6 +620,24 @@ class SGLangClient:
                                       + _excerpt(info))
         return str(info["weight_version"])
 
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100, *, url: str | None = None) -> list[Any]:
+        """SGLang's ``/get_weights_by_name`` on one server: parameter ``name`` (its Hugging Face name; SGLang
+        answers q/k/v and gate/up projections by slicing its fused tensors) cut to its first ``truncate_size``
+        entries along the first dimension (rows of a 2-D weight, whole), as served, converted to float32, as a
+        nested list; a server with several data-parallel ranks answers one such list per rank.
+
+        A server without the endpoint answers 404 (405 behind some proxies); SGLang answers 400 ``Get parameter
+        by name failed`` for a name its model does not have (or a model class without the method), the local
+        server a 400 naming the parameter: all :class:`SGLangHTTPError` or :class:`SGLangProtocolError` with
+        that ``status``. Anything but a list is an :class:`SGLangProtocolError`.
+        """
+        url = url or self.urls[0]
+        status, obj = await self._request("POST", url, "/get_weights_by_name",
+                                          body={"name": name, "truncate_size": truncate_size})
+        if not isinstance(obj, list):
+            raise SGLangProtocolError(url, status, _excerpt(obj))
+        return obj
+
     async def server_info(self, url: str | None = None) -> dict[str, Any]:
         url = url or self.urls[0]
         status, obj = await self._request("GET", url, "/server_info")

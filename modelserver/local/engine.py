@@ -243,6 +243,22 @@ class LocalEngine(BatchingEngine):
                 self.weight_version = weight_version
         return in_flight
 
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """SGLang's ``/get_weights_by_name``: parameter ``name`` (a Hugging Face name, as in the checkpoints
+        :meth:`update_weights_from_disk` loads) sliced to its first ``truncate_size`` entries along the first
+        dimension (whole rows of a 2-D weight), in the served dtype, as a nested list of Python floats (exact:
+        bf16 and float32 values are doubles). Raises ``KeyError`` for a name the model does not have.
+
+        Read on the model thread, so between two steps and never during a weight swap (one call there).
+        """
+        def read() -> list[Any]:
+            state = self.model.state_dict()  # names as the checkpoints have them (tied weights under both)
+            if name not in state:
+                raise KeyError(name)
+            return state[name].detach()[:truncate_size].to(torch.float32).tolist()  # type: ignore[no-any-return]
+
+        return await self.model_thread.run(read)
+
     # ---------------------------------------------------------------- scheduler
 
     async def _step(self) -> None:

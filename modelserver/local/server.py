@@ -379,6 +379,37 @@ async def handle_update_weight_version(request: web.Request) -> web.Response:
     )
 
 
+async def handle_get_weights_by_name(request: web.Request) -> web.Response:
+    """SGLang's ``/get_weights_by_name`` (GET or POST, JSON body ``{"name", "truncate_size": 100}``): the
+    parameter's leading entries along its first dimension, in the served dtype, as a bare nested JSON list.
+    A bad request is a 400 ``{"error": {"message"}}`` naming the parameter (SGLang's shape; its message
+    there is only "Get parameter by name failed")."""
+    state = _state(request)
+    try:
+        body = await _read_json(request)
+    except ProtocolError as exc:
+        return _json_error(exc)
+    engine = state.engine
+    if engine is None:
+        return _not_ready(state)
+    if not isinstance(engine, LocalEngine):  # the sim backend shares this app and holds no weights
+        return web.json_response({"error": {"message": "/get_weights_by_name: a SIMULATED server holds no weights"}},
+                                 status=404)
+    name = body.get("name")
+    size = body.get("truncate_size", 100)
+    if not isinstance(name, str) or not name:
+        return web.json_response({"error": {"message": "name (a parameter name) is required"}}, status=400)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return web.json_response({"error": {"message": f"{name}: truncate_size must be an integer >= 0, "
+                                                       f"got {size!r}"}}, status=400)
+    try:
+        values = await engine.get_weights_by_name(name, size)
+    except KeyError:
+        return web.json_response({"error": {"message": f"no parameter named {name!r} in the served model"}},
+                                 status=400)
+    return web.json_response(values)
+
+
 async def handle_not_supported(request: web.Request) -> web.Response:
     return web.json_response({"success": False, "message": f"{request.path} is {_NOT_SUPPORTED}"}, status=400)
 
@@ -578,6 +609,8 @@ def build_app(config: ServerConfig, start_engine: EngineStarter = _load_engine) 
     ):
         r.add_post(path, handle_not_supported)
     r.add_get("/get_weight_version", handle_get_weight_version)
+    r.add_get("/get_weights_by_name", handle_get_weights_by_name)
+    r.add_post("/get_weights_by_name", handle_get_weights_by_name)
     r.add_get("/model_info", handle_model_info)
     r.add_get("/get_model_info", handle_model_info)
     r.add_get("/server_info", handle_server_info)

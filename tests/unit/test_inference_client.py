@@ -261,6 +261,39 @@ async def test_weight_version_endpoint_errors_other_than_404_propagate(fake) -> 
             await client.get_weight_version()
 
 
+@pytest.mark.anyio
+async def test_get_weights_by_name_sends_sglangs_body_and_classifies_its_answers(fake) -> None:  # type: ignore[no-untyped-def]
+    """SGLang: {"name", "truncate_size"} in, a bare nested list out; 400 {"error"} for a name it cannot answer."""
+    seen: list[Any] = []
+
+    async def weights(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((request.method, body))
+        if body["name"] == "bad":
+            return web.json_response({"error": {"message": "Get parameter by name failed"}}, status=400)
+        if body["name"] == "dict":
+            return web.json_response({"parameter": [1.0]})
+        return web.json_response([[0.5, -0.25]] * body["truncate_size"])
+
+    async def missing(request: web.Request) -> web.Response:
+        return web.json_response({"detail": "Not Found"}, status=404)  # FastAPI's, for a path it does not have
+
+    url = await fake({"/get_weights_by_name": weights})
+    async with SGLangClient([url], retries=2, backoff_s=0.001) as client:
+        assert await client.get_weights_by_name("model.norm.weight", 2) == [[0.5, -0.25], [0.5, -0.25]]
+        with pytest.raises(SGLangHTTPError) as http_error:
+            await client.get_weights_by_name("bad")
+        assert http_error.value.status == 400 and http_error.value.message == "Get parameter by name failed"
+        with pytest.raises(SGLangProtocolError):
+            await client.get_weights_by_name("dict")
+    assert seen[:2] == [("POST", {"name": "model.norm.weight", "truncate_size": 2}),
+                        ("POST", {"name": "bad", "truncate_size": 100})]  # the 400 is not retried
+    async with SGLangClient([await fake({"/get_weights_by_name": missing})], retries=2, backoff_s=0.001) as client:
+        with pytest.raises(SGLangProtocolError) as not_found:
+            await client.get_weights_by_name("model.norm.weight")
+        assert not_found.value.status == 404
+
+
 # ------------------------------------------------------------------------ api key (SGLang's --api-key)
 
 
