@@ -524,12 +524,15 @@ class InferenceActor(StreamActor):
                         self._stream_tokens(record, task, sample, unsent, chunk_headers)
             assert final is not None
             kind = final.finish_type or "unknown"
+            aborted = kind == "abort"
             swapped = self._update_epoch != epoch or self._updates_in_flight > 0
-            again = kind == "abort" and swapped and len(mine) < budget and not self.draining
+            again = aborted and swapped and len(mine) < budget and not self.draining
+            if aborted and len(mine) >= budget:
+                kind = "length"  # aborted just as its budget ran out: whole, not cut short (its logprobs as streamed)
             done = whole_sample and not again
             if unsent[0] or done:  # the rest, once the stream has ended; the last record of the sample is done
                 self._stream_tokens(record, task, sample, unsent, chunk_headers, finish_reason=kind if done else "")
-            if kind != "abort":
+            if not aborted:
                 sample.take_final_logprobs(final, seen)
             if again:
                 attempt += 1

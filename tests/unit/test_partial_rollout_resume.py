@@ -1,5 +1,6 @@
 """A generation a weight update aborts is resumed with its tokens kept, also when it began after the update
-started (its epoch already bumped) and was aborted by it: before, such a sample ended as "abort", short."""
+started (its epoch already bumped) and was aborted by it: before, such a sample ended as "abort", short. One
+aborted just as its budget ran out is whole: it ends as "length" (before, "abort" with every token)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,36 @@ async def test_an_abort_from_an_update_that_began_before_the_request_is_resumed_
         # no update anywhere near it: an abort is the generation's end
         finish, sample = await _generate(actor, AbortOnce())
         assert finish == "abort" and sample.ids == [5, 6]
+
+
+class AbortAtBudget:
+    """A server whose request is aborted (by a weight update) after its last token: the whole budget is there."""
+
+    def __init__(self) -> None:
+        self.requests: list[int] = []
+
+    async def generate_stream(self, input_ids: list[int], *, sampling_params: dict[str, Any], rid: str,
+                              key: str) -> AsyncIterator[GenerateResult]:
+        budget = int(sampling_params["max_new_tokens"])
+        self.requests.append(budget)
+        yield _result(list(range(5, 5 + budget)), None, "0")
+        yield GenerateResult(text="", output_ids=list(range(5, 5 + budget)), logprobs=[-9.0] * budget,
+                             finish_reason={"type": "abort"}, weight_version="0", prompt_tokens=3,
+                             completion_tokens=budget, token_weight_versions=None)
+
+
+async def test_an_abort_after_the_last_token_is_a_whole_sample_not_an_abort() -> None:
+    cfg = EngineConfig(namespace="resume", transport=TransportConfig(type="memory"),
+                       inference=InferenceConfig(partial_rollouts=True))
+    async with Runtime(cfg, instance="one", use_nats=False) as rt:
+        actor = InferenceActor(rt, ["http://127.0.0.1:1"], build_char_tokenizer())
+        for during_update in (True, False):
+            client = AbortAtBudget()
+            if during_update:
+                with actor._weights_swap():
+                    finish, sample = await _generate(actor, client)
+            else:
+                finish, sample = await _generate(actor, client)
+            assert finish == "length" and client.requests == [6], during_update  # not resumed: nothing left
+            assert sample.ids == [5, 6, 7, 8, 9, 10]
+            assert sample.logprobs == [-0.5] * 6  # as streamed: an aborted chunk's logprobs are not re-scored ones
