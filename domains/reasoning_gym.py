@@ -15,9 +15,11 @@ engine starts without the package: the names are then listed as unavailable with
 - **verifier**: in process (no sandbox), with the dataset's own scorer (``get_score_answer_fn``) run in a
   worker thread under a deadline of :data:`SCORE_TIMEOUT_S`; a timeout or an exception is a failed answer
   with ``error`` in the facts (and counted in :data:`SCORER_FAILURES`), never a crash. Extraction is lenient
-  for small chat models: the last ``<answer>...</answer>``, the whole reply and its last non-empty line are
-  each scored and the best is kept; nothing is pulled out of a longer string (a scorer's partial credit for
-  a reply that contains the answer among other words is not 1.0, so it earns nothing).
+  for small chat models: the last ``<answer>...</answer>``, ``\\boxed{}``, what follows "the answer is", the
+  whole reply, its last non-empty line and, for an item whose answer is an integer, the last integer in the
+  reply (the ``math`` domain's rule) are each scored and the best is kept (:func:`candidates`); nothing else
+  is pulled out of a longer string (a scorer's partial credit for a reply that contains the answer among
+  other words is not 1.0, so it earns nothing).
 - **reward**: binarised, 1.0 iff the scorer gives exactly 1.0 (``facts["score"]`` keeps the raw score: some
   scorers give 0.01 to 0.8 as partial credit or a format floor).
 - **held-out split**: the default stable prompt hash, so training and held-out prompts never coincide.
@@ -67,9 +69,14 @@ generic one. A function of the item alone, so every process renders the same pro
 _INTEGER = re.compile(r"-?\d+")
 
 
+def _is_integer(entry: dict[str, Any]) -> bool:
+    """Whether an item's oracle answer is one integer (its prompt asks for just the number)."""
+    return _INTEGER.fullmatch(str(entry.get("answer", "")).strip()) is not None
+
+
 def instruction(entry: dict[str, Any]) -> str:
     """The answer instruction for one item (see :data:`NUMBER_INSTRUCTION`)."""
-    return NUMBER_INSTRUCTION if _INTEGER.fullmatch(str(entry.get("answer", "")).strip()) else INSTRUCTION
+    return NUMBER_INSTRUCTION if _is_integer(entry) else INSTRUCTION
 
 SCORER_FAILURES: dict[str, int] = {"timeout": 0, "error": 0}
 """Scorer calls that timed out or raised, in this process (each one is a failed answer with ``error``)."""
@@ -276,10 +283,14 @@ def _said(text: str) -> str | None:
     return found.strip()
 
 
-def candidates(text: str) -> list[str]:
+def candidates(text: str, *, integer: bool = False) -> list[str]:
     """What a reply may answer with, in order: the last ``<answer>`` tag's content, the last ``\\boxed{}``, what
-    follows its last "answer is" / "Answer:", the whole reply, its last non-empty line (stripped, duplicates
-    dropped). Each is one reading of the reply as a whole; a number merely mentioned in passing is not one."""
+    follows its last "answer is" / "Answer:", the whole reply, its last non-empty line, and for an item whose
+    answer is an integer (``integer``) the last integer in the reply (stripped, duplicates dropped). Each is
+    one reading of the reply as a whole: a number mentioned before the last one is never read as the answer.
+
+    The last integer is the ``math`` domain's rule (and GSM8K's usual "flexible" extraction): SmolLM2-135M-Instruct
+    at T=1 mostly states a sum in a sentence ("6 + 1 = 7."), which the other readings miss."""
     from sandboxes.verifiers import _boxed
 
     out: list[str] = []
@@ -296,6 +307,10 @@ def candidates(text: str) -> list[str]:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if lines:
         out.append(lines[-1])
+    if integer:
+        numbers = _INTEGER.findall(text)
+        if numbers:
+            out.append(numbers[-1])
     return list(dict.fromkeys(c for c in out if c))
 
 
@@ -351,7 +366,7 @@ async def verify_rg(text: str, spec: dict[str, Any], pool: Any = None) -> Facts:
     """Score a reply with its dataset's own scorer: facts ``extracted``, ``score`` (raw), ``correct``
     (score == 1.0) and ``error`` when the scorer failed, timed out or the spec is unusable."""
     name, entry = spec.get("dataset"), spec.get("entry")
-    found = candidates(text)
+    found = candidates(text, integer=isinstance(entry, dict) and _is_integer(entry))
     facts: Facts = {"extracted": found[0] if found else "", "score": 0.0, "correct": False}
     if not isinstance(name, str) or not isinstance(entry, dict):
         facts["error"] = "spec: expected 'dataset' (a name) and 'entry' (a reasoning-gym item)"

@@ -179,6 +179,19 @@ async def _read_json(request: web.Request, *, allow_empty: bool = False) -> dict
     return body
 
 
+async def _loaded(request: web.Request) -> tuple[ServerState, LocalEngine, dict[str, Any]] | web.Response:
+    """A request that needs the model: its state, engine and JSON body, or the answer to give instead (a body
+    that is not a JSON object: 400; the model still loading or failed: 503)."""
+    state = _state(request)
+    try:
+        body = await _read_json(request)
+    except ProtocolError as exc:
+        return _json_error(exc)
+    if state.engine is None:
+        return _not_ready(state)
+    return state, state.engine, body
+
+
 # ------------------------------------------------------------------------ generate
 
 
@@ -332,13 +345,10 @@ async def handle_continue(request: web.Request) -> web.Response:
 
 
 async def handle_update_weights_from_disk(request: web.Request) -> web.Response:
-    state = _state(request)
-    try:
-        body = await _read_json(request)
-    except ProtocolError as exc:
-        return _json_error(exc)
-    if state.engine is None:
-        return _not_ready(state)
+    loaded = await _loaded(request)
+    if isinstance(loaded, web.Response):
+        return loaded
+    state, engine, body = loaded
     path = body.get("model_path")
     version = body.get("weight_version")
     if not isinstance(path, str) or not path:
@@ -349,7 +359,7 @@ async def handle_update_weights_from_disk(request: web.Request) -> web.Response:
     if load_format not in (None, "auto", "safetensors"):
         return web.json_response({"success": False, "message": f"load_format {load_format!r} is not supported"}, status=400)
     try:
-        paused = await state.engine.update_weights_from_disk(
+        paused = await engine.update_weights_from_disk(
             path, weight_version=version, abort_all=bool(body.get("abort_all_requests", False))
         )
     except (WeightUpdateError, OSError, ValueError, RuntimeError) as exc:
@@ -361,19 +371,16 @@ async def handle_update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 async def handle_update_weight_version(request: web.Request) -> web.Response:
-    state = _state(request)
-    try:
-        body = await _read_json(request)
-    except ProtocolError as exc:
-        return _json_error(exc)
-    if state.engine is None:
-        return _not_ready(state)
+    loaded = await _loaded(request)
+    if isinstance(loaded, web.Response):
+        return loaded
+    _, engine, body = loaded
     version = body.get("new_version")
     if not isinstance(version, str) or not version:
         return web.json_response({"success": False, "message": "new_version must be a non-empty string"}, status=400)
     if body.get("abort_all_requests"):
-        state.engine.abort_all("Aborted by /update_weight_version.")
-    state.engine.set_weight_version(version)
+        engine.abort_all("Aborted by /update_weight_version.")
+    engine.set_weight_version(version)
     return web.json_response(
         {"success": True, "message": f"Weight version updated to {version}.", "new_version": version}
     )
@@ -384,14 +391,10 @@ async def handle_get_weights_by_name(request: web.Request) -> web.Response:
     parameter's leading entries along its first dimension, in the served dtype, as a bare nested JSON list.
     A bad request is a 400 ``{"error": {"message"}}`` naming the parameter (SGLang's shape; its message
     there is only "Get parameter by name failed")."""
-    state = _state(request)
-    try:
-        body = await _read_json(request)
-    except ProtocolError as exc:
-        return _json_error(exc)
-    engine = state.engine
-    if engine is None:
-        return _not_ready(state)
+    loaded = await _loaded(request)
+    if isinstance(loaded, web.Response):
+        return loaded
+    _, engine, body = loaded
     if not isinstance(engine, LocalEngine):  # the sim backend shares this app and holds no weights
         return web.json_response({"error": {"message": "/get_weights_by_name: a SIMULATED server holds no weights"}},
                                  status=404)

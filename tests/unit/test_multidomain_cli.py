@@ -77,6 +77,10 @@ def test_defaults_and_quick(model_dir):
     assert domains.trained == list(md.DEFAULT_DOMAINS) and len(domains.trained) >= 8
     assert domains.untrained == list(md.DEFAULT_UNTRAINED) and domains.multi_turn == []
     assert (args.seconds, args.seeds, args.eval_tasks, args.eval_samples) == (1800, 2, 32, 4)
+    # a default untrained domain named in --domains is trained, not refused (an explicit --untrained overlap is)
+    _, domains = md.validate(md.parse_args(["--model-dir", str(model_dir), "--domains", "math,docqa"]))
+    assert "math" in md.DEFAULT_UNTRAINED and domains.trained == ["math", "docqa"]
+    assert domains.untrained == [n for n in md.DEFAULT_UNTRAINED if n != "math"]
     quick = md.parse_args(["--quick"])
     systems, domains = md.validate(quick)
     assert systems == list(md.ENGINE_SYSTEMS) and quick.seeds == 1 and quick.seconds == md.QUICK_SECONDS
