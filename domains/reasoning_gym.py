@@ -291,7 +291,7 @@ def candidates(text: str, *, integer: bool = False) -> list[str]:
 
     The last integer is the ``math`` domain's rule (and GSM8K's usual "flexible" extraction): SmolLM2-135M-Instruct
     at T=1 mostly states a sum in a sentence ("6 + 1 = 7."), which the other readings miss."""
-    from sandboxes.verifiers import _boxed
+    from sandboxes.verifiers import _NUMBER, _boxed
 
     out: list[str] = []
     tags = _ANSWER_TAG.findall(text)
@@ -308,9 +308,9 @@ def candidates(text: str, *, integer: bool = False) -> list[str]:
     if lines:
         out.append(lines[-1])
     if integer:
-        numbers = _INTEGER.findall(text)
+        numbers = _NUMBER.findall(text)  # the math domain's numbers: "3.7" stays 3.7, never its last digit "7"
         if numbers:
-            out.append(numbers[-1])
+            out.append(numbers[-1].replace(",", ""))
     return list(dict.fromkeys(c for c in out if c))
 
 

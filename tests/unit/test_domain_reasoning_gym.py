@@ -156,6 +156,9 @@ def test_extraction_is_lenient_about_layout_but_never_credits_an_answer_among_ot
     facts = _verify("rg:chain_sum", f"I think it is {a} or so", task.spec)  # an integer item: its last integer
     assert facts["correct"] and facts["extracted"] == a
     assert not _verify("rg:chain_sum", f"It is {a}, no, {int(a) + 1}, or so", task.spec)["correct"]
+    # a number is read whole: a decimal ending in the answer's digits is not the answer
+    assert not _verify("rg:chain_sum", f"It is about 1.{a.lstrip('-')} or so", task.spec)["correct"]
+    assert _verify("rg:chain_sum", f"So the sum is {int(a):,} in all", task.spec)["correct"]  # thousands commas
     words = next(t for t in (DOMAINS["rg:family_relationships"].make(random.Random(i), 0.0) for i in range(50))
                  if not t.ideal.strip().lstrip("-").isdigit())
     facts = _verify("rg:family_relationships", f"I think it is {words.ideal} or so", words.spec)
