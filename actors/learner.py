@@ -564,32 +564,46 @@ class WeightsCheck:
                                     served=served, cast=f"float32 -> {self.cfg.publish_dtype} -> {self.serving_dtype}")
 
 
+def _claimed_version(reported: str | None) -> int | None:
+    """The weight version a server reports, as an integer (None when it is not one)."""
+    try:
+        return int(reported or "")
+    except ValueError:
+        return None
+
+
 async def probe_server(url: str, learner: Learner, tokenizer: PreTrainedTokenizerBase, cfg: LearnerConfig,
                        published_at: dict[int, float], *, api_key: str | None = None,
                        timeout_s: float = 60.0, serving_dtype: str = "fp32",
                        weights_check: WeightsCheck | None = None) -> canary.Verdict:
-    """One canary probe of the server at ``url`` (``learning/canary.py``): a fixed prompt generated there at
-    temperature 1, and the version it claims. At the learner's version (no step since its publication) a bf16
-    server's weights are compared exactly (:class:`WeightsCheck`; ``weights_check`` keeps what it learned
-    between probes), any other server's probe log-probs against the learner's own."""
-    prompt = list(tokenizer.encode(canary.PROBE_TEXT, add_special_tokens=False))
+    """One canary probe of the server at ``url`` (``learning/canary.py``). A bf16 server that can answer
+    ``/get_weights_by_name`` is asked the version it serves (``/get_weight_version``) and, at the learner's
+    version (no step since its publication), its weights are compared exactly (:class:`WeightsCheck`;
+    ``weights_check`` keeps what it learned between probes): nothing is generated. Any other server generates
+    a fixed prompt at temperature 1, and its probe log-probs at the version it claims are compared with the
+    learner's own."""
     check = weights_check if weights_check is not None else WeightsCheck(cfg, serving_dtype)
     client = SGLangClient([url], timeout=timeout_s, api_key=api_key)
     try:
+        if check.active and url not in check.unavailable:
+            reported = await client.get_weight_version(url)
+            claimed = _claimed_version(reported)
+            if claimed is None:
+                return canary.Verdict(False, f"server {url} reports no integer weight version ({reported!r})")
+            if claimed == learner.version and learner.serves_own_version:
+                verdict = await check.compare(client, url, claimed, learner)
+                if verdict is not None:
+                    return verdict
+        prompt = list(tokenizer.encode(canary.PROBE_TEXT, add_special_tokens=False))
         result = await client.generate(prompt, sampling_params={"max_new_tokens": canary.PROBE_TOKENS,
                                                                 "temperature": 1.0, "sampling_seed": 0},
                                        rid=f"canary-{uuid.uuid4().hex[:8]}")
-        try:
-            claimed = int(result.weight_version or "")
-        except ValueError:
-            return canary.Verdict(False, f"server {url} reports no integer weight version ({result.weight_version!r})")
-        comparable = claimed == learner.version and learner.serves_own_version
-        if comparable and check.active and url not in check.unavailable:
-            verdict = await check.compare(client, url, claimed, learner)
-            if verdict is not None:
-                return verdict
     finally:
         await client.aclose()
+    claimed = _claimed_version(result.weight_version)
+    if claimed is None:
+        return canary.Verdict(False, f"server {url} reports no integer weight version ({result.weight_version!r})")
+    comparable = claimed == learner.version and learner.serves_own_version
     ours = (await anyio.to_thread.run_sync(score_tokens, learner.model, prompt, list(result.output_ids), 1.0)
             if comparable else None)
     since = published_at.get(claimed + 1)

@@ -310,11 +310,17 @@ async def test_the_exact_canary_trips_on_a_blocked_update_and_passes_an_applied_
     async def probe() -> canary.Verdict:
         return await probe_server(url, learner, tokenizer, CFG, {1: 0.0}, serving_dtype="bf16", weights_check=check)
 
-    before = await probe()
-    assert before.ok and before.exact and before.compared and before.gap is None, before
-    _train_one_step(learner)
     client = SGLangClient([url])
+
+    async def finished() -> int:
+        return int((await client.server_info())["internal_states"][0]["finished"])
+
     try:
+        generated = await finished()
+        before = await probe()
+        assert before.ok and before.exact and before.compared and before.gap is None, before
+        assert await finished() == generated  # the exact check reads the version and weights: nothing generated
+        _train_one_step(learner)
         await client.update_weight_version("1")  # blocked: the server claims version 1 and keeps version 0's weights
         blocked = await probe()
         assert not blocked.ok and blocked.exact, blocked

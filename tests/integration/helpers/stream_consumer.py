@@ -1,14 +1,18 @@
 """A consumer-group member run as its own process by the stream integration tests.
 
-Writes ``#ready`` once started, ``#assigned N`` whenever its partition count changes and ``#owned P MS``
-the first time it processes a record of partition P it owns since MS (``Record.owned_since_ms``); appends the message id of every record it processes to OUT (one per line, flushed) *before*
-acknowledging it, commits after each batch, and exits 0 on SIGTERM after a clean close. A SIGKILL
-therefore leaves processed-but-uncommitted records, which the group must re-deliver elsewhere.
+Writes ``#ready`` once started, ``#assigned N`` whenever its partition count changes, ``#owned P MS``
+the first time it processes a record of partition P it owns since MS (``Record.owned_since_ms``) and
+``#revoked P MS`` when the group takes partition P from it at MS (revoked or lost, from the consumer's
+rebalance callback: under load a member can be evicted and get its own partitions back); appends the
+message id of every record it processes to OUT (one per line, flushed) *before* acknowledging it, commits
+after each batch, and exits 0 on SIGTERM after a clean close. A SIGKILL therefore leaves
+processed-but-uncommitted records, which the group must re-deliver elsewhere.
 """
 
 import argparse
 import os
 import signal
+import time
 
 import anyio
 
@@ -23,10 +27,22 @@ async def main(args: argparse.Namespace) -> None:
     async with Consumer(cfg, topics=[args.topic], group=args.group, max_poll_records=200) as consumer:
         with open(args.out, "a", buffering=1) as out:
             out.write(f"#ready {os.getpid()}\n")
+            taken: list = []  # (partition, ms), appended by the rebalance callback in kafka-python's thread
+            on_revoked = consumer._on_revoked
+
+            def revoked(tps, *, commit=True):
+                now_ms = time.time_ns() // 1_000_000
+                taken.extend((tp.partition, now_ms) for tp in tps)
+                on_revoked(tps, commit=commit)
+
+            consumer._on_revoked = revoked
             assigned: set = set()
             owned: set = set()
             while not stop.is_set():
                 records = await consumer.getmany(timeout_s=0.2)
+                while taken:
+                    partition, ms = taken.pop(0)
+                    out.write(f"#revoked {partition} {ms}\n")
                 if consumer.assigned != assigned:
                     assigned = set(consumer.assigned)
                     out.write(f"#assigned {len(assigned)}\n")
