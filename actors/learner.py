@@ -564,12 +564,12 @@ class WeightsCheck:
                                     served=served, cast=f"float32 -> {self.cfg.publish_dtype} -> {self.serving_dtype}")
 
 
-def _claimed_version(reported: str | None) -> int | None:
-    """The weight version a server reports, as an integer (None when it is not one)."""
+def _claimed_version(url: str, reported: str | None) -> int | canary.Verdict:
+    """The weight version ``url`` reports, as an integer; a failed verdict when it is not one."""
     try:
         return int(reported or "")
     except ValueError:
-        return None
+        return canary.Verdict(False, f"server {url} reports no integer weight version ({reported!r})")
 
 
 async def probe_server(url: str, learner: Learner, tokenizer: PreTrainedTokenizerBase, cfg: LearnerConfig,
@@ -586,10 +586,9 @@ async def probe_server(url: str, learner: Learner, tokenizer: PreTrainedTokenize
     client = SGLangClient([url], timeout=timeout_s, api_key=api_key)
     try:
         if check.active and url not in check.unavailable:
-            reported = await client.get_weight_version(url)
-            claimed = _claimed_version(reported)
-            if claimed is None:
-                return canary.Verdict(False, f"server {url} reports no integer weight version ({reported!r})")
+            claimed = _claimed_version(url, await client.get_weight_version(url))
+            if isinstance(claimed, canary.Verdict):
+                return claimed
             if claimed == learner.version and learner.serves_own_version:
                 verdict = await check.compare(client, url, claimed, learner)
                 if verdict is not None:
@@ -600,9 +599,9 @@ async def probe_server(url: str, learner: Learner, tokenizer: PreTrainedTokenize
                                        rid=f"canary-{uuid.uuid4().hex[:8]}")
     finally:
         await client.aclose()
-    claimed = _claimed_version(result.weight_version)
-    if claimed is None:
-        return canary.Verdict(False, f"server {url} reports no integer weight version ({result.weight_version!r})")
+    claimed = _claimed_version(url, result.weight_version)
+    if isinstance(claimed, canary.Verdict):
+        return claimed
     comparable = claimed == learner.version and learner.serves_own_version
     ours = (await anyio.to_thread.run_sync(score_tokens, learner.model, prompt, list(result.output_ids), 1.0)
             if comparable else None)
