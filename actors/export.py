@@ -162,13 +162,14 @@ def _reader(source: EventLog | KafkaConfig, topic: str, start: dict[tuple[str, i
                                  client_id="rollout-export")
 
 
-async def export_parquet(source: EventLog | KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
-                         idle_s: float = 3.0, sft: SftView | None = None) -> tuple[int, int]:
-    """Like :func:`export_jsonl`, into the directory ``out`` as Parquet part files (one per batch read)."""
-    start = read_position(out)
+async def _copy_rows(source: EventLog | KafkaConfig, topic: str, out: Path, start: dict[tuple[str, int], int],
+                     flt: ExportFilter, make_row: Callable[[Experience, Any], dict[str, Any] | None], idle_s: float,
+                     write: Callable[[list[dict[str, Any]], int], None]) -> tuple[int, int]:
+    """Read ``topic`` from ``start`` until no record arrives for ``idle_s``; each batch's kept rows go to
+    ``write(rows, rows written before them this run)``, then the position after the batch is stored.
+    Returns (read, written)."""
     offsets = dict(start)
     read = written = 0
-    make_row = _row_for(sft)
     consumer = await _reader(source, topic, start).start()
     try:
         while records := await consumer.getmany(timeout_s=idle_s):
@@ -176,21 +177,32 @@ async def export_parquet(source: EventLog | KafkaConfig, topic: str, out: Path, 
             for rec in records:
                 read += 1
                 offsets[(rec.topic, rec.partition)] = rec.offset + 1
-                if isinstance(rec.message, Experience) and flt.keep(rec.message, rec.timestamp_ms):
-                    row = make_row(rec.message, rec)
+                exp = rec.message
+                if isinstance(exp, Experience) and flt.keep(exp, rec.timestamp_ms):
+                    row = make_row(exp, rec)
                     if row is not None:
                         rows.append(row)
-            if rows:
-                try:
-                    _write_parquet_part(out, rows)
-                except OSError as exc:
-                    raise ExportError(f"{out}: write failed after {written} rows this run "
-                                      f"({exc.strerror or exc}); earlier part files are kept") from None
+            write(rows, written)
             written += len(rows)
             _write_position(out, offsets)
     finally:
         await consumer.close()
     return read, written
+
+
+async def export_parquet(source: EventLog | KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
+                         idle_s: float = 3.0, sft: SftView | None = None) -> tuple[int, int]:
+    """Like :func:`export_jsonl`, into the directory ``out`` as Parquet part files (one per batch read)."""
+
+    def write(rows: list[dict[str, Any]], written: int) -> None:
+        if rows:
+            try:
+                _write_parquet_part(out, rows)
+            except OSError as exc:
+                raise ExportError(f"{out}: write failed after {written} rows this run "
+                                  f"({exc.strerror or exc}); earlier part files are kept") from None
+
+    return await _copy_rows(source, topic, out, read_position(out), flt, _row_for(sft), idle_s, write)
 
 
 async def export_jsonl(source: EventLog | KafkaConfig, topic: str, out: Path, flt: ExportFilter, *,
@@ -204,37 +216,20 @@ async def export_jsonl(source: EventLog | KafkaConfig, topic: str, out: Path, fl
     """
     make_row = _row_for(sft)
     start = read_position(out)
-    offsets = dict(start)
-    read = written = 0
     try:
         f = out.open("a", encoding="utf-8")
     except OSError as exc:
         raise ExportError(f"{out}: cannot open for writing: {exc.strerror or exc}") from None
-    with f:
-        consumer = await _reader(source, topic, start).start()
+
+    def write(rows: list[dict[str, Any]], written: int) -> None:
+        lines = "".join(json.dumps(row) + "\n" for row in rows)
         try:
-            while True:
-                records = await consumer.getmany(timeout_s=idle_s)
-                if not records:
-                    break
-                lines = []
-                for rec in records:
-                    read += 1
-                    offsets[(rec.topic, rec.partition)] = rec.offset + 1
-                    exp = rec.message
-                    if isinstance(exp, Experience) and flt.keep(exp, rec.timestamp_ms):
-                        row = make_row(exp, rec)
-                        if row is not None:
-                            lines.append(json.dumps(row) + "\n")
-                try:
-                    f.write("".join(lines))
-                    f.flush()
-                    os.fsync(f.fileno())
-                except OSError as exc:
-                    raise ExportError(f"{out}: write failed after {written} rows this run ({exc.strerror or exc}); "
-                                      f"rows before are kept and {position_path(out).name} marks where to resume") from None
-                written += len(lines)
-                _write_position(out, offsets)
-        finally:
-            await consumer.close()
-    return read, written
+            f.write(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as exc:
+            raise ExportError(f"{out}: write failed after {written} rows this run ({exc.strerror or exc}); "
+                              f"rows before are kept and {position_path(out).name} marks where to resume") from None
+
+    with f:
+        return await _copy_rows(source, topic, out, start, flt, make_row, idle_s, write)

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from streams.kafka import HEADER_TRACEPARENT
+from streams.codec import HEADER_TRACEPARENT
 from streams.protocols import EventRecord
 
 TRACER_NAME = "rollout-engine"

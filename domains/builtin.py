@@ -134,20 +134,23 @@ def _step_mkdir(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dic
     return f"make directory {name}", f"mkdir {name}", [_check(f"test -d {name}")], {}
 
 
-def _step_copy(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
+def _step_transfer(rng: random.Random, taken: set[str], *,
+                   move: bool) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
+    """Copy (or, with ``move``, rename) a set-up file to a new name: the word it holds must arrive there."""
     src, dst = rng.sample([f for f in _FILES if f not in taken], 2)
     taken.update((src, dst))
     word = rng.choice(_WORDS)
-    return (f"copy {src}.txt to {dst}.txt", f"cp {src}.txt {dst}.txt",
-            [_check(f'test "$(cat {dst}.txt)" = {word}'), _check(f"test -e {src}.txt")], {f"{src}.txt": f"{word}\n"})
+    verb, cmd, src_check = ("rename", "mv", "test ! -e") if move else ("copy", "cp", "test -e")
+    return (f"{verb} {src}.txt to {dst}.txt", f"{cmd} {src}.txt {dst}.txt",
+            [_check(f'test "$(cat {dst}.txt)" = {word}'), _check(f"{src_check} {src}.txt")], {f"{src}.txt": f"{word}\n"})
+
+
+def _step_copy(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
+    return _step_transfer(rng, taken, move=False)
 
 
 def _step_move(rng: random.Random, taken: set[str]) -> tuple[str, str, list[dict[str, Any]], dict[str, str]]:
-    src, dst = rng.sample([f for f in _FILES if f not in taken], 2)
-    taken.update((src, dst))
-    word = rng.choice(_WORDS)
-    return (f"rename {src}.txt to {dst}.txt", f"mv {src}.txt {dst}.txt",
-            [_check(f'test "$(cat {dst}.txt)" = {word}'), _check(f"test ! -e {src}.txt")], {f"{src}.txt": f"{word}\n"})
+    return _step_transfer(rng, taken, move=True)
 
 
 _TERMINAL_STEPS = (_step_create, _step_delete, _step_mkdir, _step_copy, _step_move)

@@ -510,6 +510,12 @@ class LearnerConfig(Section):
     share_prefix: bool = True
     """Pack the samples of a step that share one prompt into one row, prompt computed once (4-D
     attention mask: each response sees the prompt and its own earlier tokens only)."""
+    packing: Literal["rows", "per_sample"] = "rows"
+    """How a step's samples are laid out for the forward pass: ``rows`` packs them into padded rows under
+    ``micro_batch_tokens`` (prompts shared under ``share_prefix``); ``per_sample`` gives each sample its own
+    unpadded forward pass with its own prompt (``share_prefix`` does not apply): the shapes of
+    ``learning.core.score_tokens``, so same-version log-probs of a re-scoring server (``inference.rescore``)
+    equal the learner's training forward bit for bit in fp32. Slower (docs/learner.md, "Train/serve mismatch")."""
     logprob_chunk: int = Field(512, ge=1)
     """Response positions per chunk of the output projection and log-softmax (memory ~ chunk x vocab)."""
     autocast: Literal["off", "bf16"] = "off"

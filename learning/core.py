@@ -307,12 +307,15 @@ def _row_length(samples: Sequence[Experience], row: list[int]) -> int:
 
 
 def pack(samples: Sequence[Experience], *, micro_batch_tokens: int, share_prefix: bool = True,
-         pad_id: int = 0) -> list[Packed]:
+         pad_id: int = 0, per_sample: bool = False) -> list[Packed]:
     """Split ``samples`` into micro-batches of rows, each under ``micro_batch_tokens`` padded tokens.
 
     A row longer than the budget (one long sample) forms a micro-batch alone. Rows are sorted by length
-    so that rows of similar length share a micro-batch (less padding).
+    so that rows of similar length share a micro-batch (less padding). ``per_sample``: one micro-batch per
+    sample, its prompt and response alone (no padding, no shared prefix, the budget not used), in order.
     """
+    if per_sample:
+        return [_pack_rows(samples, [[i]], pad_id) for i in range(len(samples))]
     rows = sorted(_rows(samples, share_prefix, micro_batch_tokens), key=lambda r: -_row_length(samples, r))
     batches: list[list[list[int]]] = []
     for row in rows:
@@ -781,7 +784,7 @@ class Learner:
         """
         cfg = self.cfg
         mbs = pack(samples, micro_batch_tokens=cfg.micro_batch_tokens, share_prefix=cfg.share_prefix,
-                   pad_id=self.pad_id)
+                   pad_id=self.pad_id, per_sample=cfg.packing == "per_sample")
         tokens = trained_tokens(samples, mbs)
         weights = sample_loss_weights([s.domain for s in samples], tokens, cfg.loss_weighting)
         weights = [w * a for w, a in zip(weights, self.stale_weights(samples))]  # 1 unless downweighted
@@ -1039,7 +1042,8 @@ def score_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], response_ids
 
     Exactly the learner's computation (``pack`` + ``packed_logprobs``: the fp32 log-softmax of ``logits /
     temperature``) over the sample's whole sequence in one forward pass, without a shared prefix: a learner
-    packing without prefix sharing gets bitwise these values for the sample (docs/learner.md, "Train/serve
+    with ``learner.packing = "per_sample"`` gets bitwise these values in its training forward (packed rows
+    of other widths differ in the last bits) (docs/learner.md, "Train/serve
     mismatch"). The local server's ``rescore`` reports these for every finished sample.
     """
     n = len(response_ids)
@@ -1051,7 +1055,7 @@ def score_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], response_ids
                      logprobs=np.zeros(n, dtype=np.float32), loss_mask=np.ones(n, dtype=np.uint8),
                      weight_versions=np.zeros(n, dtype=np.int32), reward=0.0, advantage=0.0, group_size=1,
                      temperature=float(temperature))
-    (mb,) = pack([exp], micro_batch_tokens=len(prompt_ids) + n, share_prefix=False)
+    (mb,) = pack([exp], micro_batch_tokens=len(prompt_ids) + n, per_sample=True)
     with torch.no_grad():
         logp, _ = packed_logprobs(model, mb)
     return [float(x) for x in logp.tolist()]

@@ -16,13 +16,14 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
 from ops.infra import InfraConfig, InfraError, KafkaBroker, NatsServer, free_port
+from ops.infra.service import Service
 
 ROLE_PROCS = ("scheduler", "inference", "sandbox-0", "sandbox-1", "reward", "learner")
 
@@ -234,6 +235,23 @@ def wait_reaped(pid: int, timeout_s: float = 60.0) -> None:
 
 # -- the stack -------------------------------------------------------------------------------------
 
+def start_services(services: Sequence[Service]) -> None:
+    """Start every service, then wait until each one answers (they come up side by side)."""
+    for s in services:
+        s.start()
+    for s in services:
+        s.wait_ready()
+
+
+def stop_services(services: Sequence[Service]) -> None:
+    """Stop every service in turn; one that fails to stop is reported and the rest are still stopped."""
+    for s in services:
+        try:
+            s.stop()
+        except Exception as exc:  # keep stopping the others
+            print(f"warning: stopping {s.name}: {exc}", file=sys.stderr)
+
+
 class Stack:
     """A private broker and nats-server (state under ``work``), restartable; stopped by pid."""
 
@@ -244,10 +262,7 @@ class Stack:
         self.nats = NatsServer(self.infra)
 
     def start(self) -> None:
-        for s in (self.kafka, self.nats):
-            s.start()
-        for s in (self.kafka, self.nats):
-            s.wait_ready()
+        start_services((self.kafka, self.nats))
 
     def restart(self, service: KafkaBroker | NatsServer, *, down_s: float = 0.0, kill: bool = False) -> float:
         """Stop (SIGTERM, or SIGKILL with ``kill``) and start on the same data dir; returns seconds down."""
@@ -271,11 +286,7 @@ class Stack:
         return time.monotonic() - t0
 
     def stop(self) -> None:
-        for s in (self.nats, self.kafka):
-            try:
-                s.stop()
-            except Exception as exc:  # keep stopping the others
-                print(f"warning: stopping {s.name}: {exc}", file=sys.stderr)
+        stop_services((self.nats, self.kafka))
 
 
 # -- waiting for the end ---------------------------------------------------------------------------

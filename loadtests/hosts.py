@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import _netns
-from loadtests._cluster import RoleProc, pipeline_config, write_toml
+from loadtests._cluster import RoleProc, pipeline_config, start_services, stop_services, write_toml
 from loadtests.chaos import Chaos, Plan
 from ops.infra import InfraConfig, KafkaBroker, NatsServer, free_port
 from ops.infra.process import PidRecord
+from ops.infra.service import Service
 
 PARTITIONS = 4
 HOST_ROLES = {0: ("scheduler", "learner"), 1: ("inference", "sandbox", "reward"),
@@ -44,19 +45,20 @@ FAILED_HOST = 2
 
 # -- services and daemons inside a namespace ---------------------------------------------------------
 
-class _InNetns:
+class _InNetns(Service):
     """A service started through ``ip netns exec``: its pid file is rewritten with the exec'd argv.
 
     ``ip netns exec`` execs the server in place (same pid), so the argv /proc shows is the server's own,
     not the one spawned; the pid file must describe that, or the service looks dead (and is never stopped).
     """
 
-    topo: _netns.Topology
-    pid_file: Path
+    def __init__(self, config: InfraConfig, topo: _netns.Topology) -> None:
+        super().__init__(config)
+        self.topo = topo
 
     def start(self) -> int:
-        pid = super().start()  # type: ignore[misc]
-        inner = self.argv()[len(self.topo.prefix(0)):]  # type: ignore[attr-defined]
+        pid = super().start()
+        inner = self.argv()[len(self.topo.prefix(0)):]
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
             record = PidRecord.of_process(pid)
@@ -70,10 +72,6 @@ class _InNetns:
 
 class NetnsKafka(_InNetns, KafkaBroker):
     """The private broker, run on a host namespace and listening on the hub's service address."""
-
-    def __init__(self, config: InfraConfig, topo: _netns.Topology) -> None:
-        super().__init__(config)
-        self.topo = topo
 
     @property
     def bootstrap_servers(self) -> str:
@@ -95,10 +93,6 @@ class NetnsKafka(_InNetns, KafkaBroker):
 
 class NetnsNats(_InNetns, NatsServer):
     """The private nats-server, run on the hub namespace on its service address."""
-
-    def __init__(self, config: InfraConfig, topo: _netns.Topology) -> None:
-        super().__init__(config)
-        self.topo = topo
 
     @property
     def url(self) -> str:
@@ -125,17 +119,10 @@ class HostStack:
         self.infra = argparse.Namespace(kafka_bootstrap=self.kafka.bootstrap_servers, nats_url=self.nats.url)
 
     def start(self) -> None:
-        for s in (self.kafka, self.nats):
-            s.start()
-        for s in (self.kafka, self.nats):
-            s.wait_ready()
+        start_services((self.kafka, self.nats))
 
     def stop(self) -> None:
-        for s in (self.nats, self.kafka):
-            try:
-                s.stop()
-            except Exception as exc:  # keep stopping the other
-                print(f"warning: stopping {s.name}: {exc}", file=sys.stderr)
+        stop_services((self.nats, self.kafka))
 
 
 class HostProc(RoleProc):

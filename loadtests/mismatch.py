@@ -11,8 +11,16 @@ Throughput is output tokens per second of the whole batch, end to end (re-scorin
 
     python -m loadtests.mismatch [--model-dir DIR] [--quick] [--json PATH]
 
+Then the learner's side: one training step (``Learner.train_on``, on a fresh copy of the served weights each
+time) on the fp32 re-scored samples, each packing (``learner.packing``): ``rows`` (padded rows, the default) and ``per_sample``
+(one forward per sample, ``score_tokens``' shapes), and ``rows_shared`` (rows with a group's prompt shared:
+the default config). The step's own same-version gap (``mismatch_max``, what the learner's metrics report) and
+its time: ``train_gap_<layout>_max``, ``train_step_s_<layout>`` (median), ``per_sample_step_cost`` = step time
+per_sample over rows, ``per_sample_step_cost_vs_default`` over rows_shared (repeats interleave the three).
+
 ``--model-dir`` defaults to the prepared SmolLM2-135M-Instruct. Headline keys: ``rescore_cost_fp32``,
-``rescore_cost_bf16``, ``gap_<dtype>_<rescore|decode>_{p50,p99,max,rel_max}``.
+``rescore_cost_bf16``, ``gap_<dtype>_<rescore|decode>_{p50,p99,max,rel_max}``, ``train_gap_<packing>_max``,
+``per_sample_step_cost``.
 """
 
 from __future__ import annotations
@@ -78,6 +86,43 @@ def _gaps(learner: Any, samples: list[tuple[list[int], list[int], list[float]]])
     return {"p50": q[0], "p99": q[1], "max": float(a.max()), "rel_max": float(r.max()), "tokens": float(a.numel())}
 
 
+PACKINGS = {"rows": ("rows", False), "rows_shared": ("rows", True), "per_sample": ("per_sample", False)}
+"""The learner step's layouts compared: padded rows, the same with a group's prompt shared (the default
+``learner`` config), one forward per sample."""
+
+
+def _train_steps(model: Any, samples: list[tuple[list[int], list[int], list[float]]], repeats: int
+                 ) -> dict[str, float]:
+    """The learner's step on same-version samples under each packing: its mismatch figure and its time."""
+    import numpy as np
+
+    from engine.config import LearnerConfig
+    from engine.schemas import Experience
+    from learning.core import Learner
+
+    exps = [Experience(sample_id=f"s{i}", task_id="t", domain="d", prompt_ids=np.asarray(prompt, np.int32),
+                       response_ids=np.asarray(output, np.int32), logprobs=np.asarray(served, np.float32),
+                       loss_mask=np.ones(len(output), np.uint8), weight_versions=np.zeros(len(output), np.int32),
+                       reward=0.0, advantage=1.0, group_size=1, temperature=T)
+            for i, (prompt, output, served) in enumerate(samples)]
+    out: dict[str, float] = {}
+    times: dict[str, list[float]] = {name: [] for name in PACKINGS}
+    for _ in range(repeats):
+        for name, (packing, share_prefix) in PACKINGS.items():
+            cfg = LearnerConfig(batch_size=len(exps), share_prefix=share_prefix, lr=1e-6, packing=packing)
+            learner = Learner(copy.deepcopy(model), cfg, max_staleness=4)  # a step moves the weights
+            started = time.perf_counter()
+            stats = learner.train_on(exps)
+            times[name].append(time.perf_counter() - started)
+            out[f"train_gap_{name}_max"] = stats["mismatch_max"]
+            out[f"train_micro_batches_{name}"] = stats["micro_batches"]
+    for name, ts in times.items():
+        out[f"train_step_s_{name}"] = statistics.median(ts)
+    out["per_sample_step_cost"] = out["train_step_s_per_sample"] / out["train_step_s_rows"]
+    out["per_sample_step_cost_vs_default"] = out["train_step_s_per_sample"] / out["train_step_s_rows_shared"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=None, help="model directory (default: the prepared SmolLM2-135M-Instruct)")
@@ -104,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                            "new_tokens": args.new_tokens, "temperature": T, "threads": args.threads,
                            "repeats": args.repeats}
     print(f"{'serving':>8} {'logprobs':>9} {'tok/s':>8} {'p50':>9} {'p99':>9} {'max':>9} {'rel max':>9}")
+    rescored: list[tuple[list[int], list[int], list[float]]] = []
     for dtype in ("fp32", "bf16"):
         served = copy.deepcopy(learner)  # the engine casts its model in place (bf16)
         speeds: dict[bool, list[float]] = {False: [], True: []}
@@ -123,6 +169,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{g['max']:9.2e} {g['rel_max']:9.2e}")
         out[f"rescore_cost_{dtype}"] = statistics.median(speeds[True]) / statistics.median(speeds[False])
         print(f"{dtype}: throughput with re-scoring / without = {out[f'rescore_cost_{dtype}']:.3f}")
+        if dtype == "fp32":
+            rescored = last[True]
+    train = _train_steps(learner, rescored, args.repeats)
+    out.update(train)
+    print(f"\nlearner step on the {len(rescored)} fp32 re-scored samples (same version):")
+    print(f"{'packing':>11} {'forwards':>8} {'step s':>8} {'gap max':>9}")
+    for name in PACKINGS:
+        print(f"{name:>11} {train[f'train_micro_batches_{name}']:8.0f} {train[f'train_step_s_{name}']:8.2f} "
+              f"{train[f'train_gap_{name}_max']:9.2e}")
+    print(f"per_sample step time / rows = {train['per_sample_step_cost']:.2f}, "
+          f"/ rows_shared (the default) = {train['per_sample_step_cost_vs_default']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0

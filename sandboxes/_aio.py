@@ -8,40 +8,44 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 from sandboxes.base import OutputCap
 
 READ_CHUNK = 1 << 18
 
 
-async def wait_readable(fd: int) -> None:
-    """Wait until ``fd`` is readable (a pidfd becomes readable when its process exits)."""
+def _wake(fut: asyncio.Future[None]) -> None:
+    """Reader or writer callback: resolve ``fut`` once (the loop may call it again before it is removed)."""
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _while_readable(fd: int, on_readable: Callable[[asyncio.Future[None]], None]) -> None:
+    """Call ``on_readable(fut)`` each time ``fd`` is readable, until it resolves ``fut``; then stop watching."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_reader(fd, ready)
+    loop.add_reader(fd, on_readable, fut)
     try:
         await fut
     finally:
         loop.remove_reader(fd)
 
 
+async def wait_readable(fd: int) -> None:
+    """Wait until ``fd`` is readable (a pidfd becomes readable when its process exits)."""
+    await _while_readable(fd, _wake)
+
+
 async def drain(fd: int, cap: OutputCap) -> None:
     """Read the non-blocking ``fd`` until EOF into ``cap`` (which keeps a bounded prefix)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
 
-    def readable() -> None:
+    def readable(fut: asyncio.Future[None]) -> None:
         try:
             while True:
                 data = os.read(fd, READ_CHUNK)
                 if not data:
-                    if not fut.done():
-                        fut.set_result(None)
+                    _wake(fut)
                     return
                 cap.feed(data)
         except BlockingIOError:
@@ -50,17 +54,7 @@ async def drain(fd: int, cap: OutputCap) -> None:
             if not fut.done():
                 fut.set_exception(exc)
 
-    loop.add_reader(fd, readable)
-    try:
-        await fut
-    finally:
-        loop.remove_reader(fd)
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    """Writer callback: resolve ``fut`` once (the loop may call it again before it is removed)."""
-    if not fut.done():
-        fut.set_result(None)
+    await _while_readable(fd, readable)
 
 
 async def write_all(fd: int, data: bytes) -> None:

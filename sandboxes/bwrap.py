@@ -53,6 +53,7 @@ from sandboxes.base import (
 )
 from sandboxes._kill import kill_all, kill_all_now, kill_pid
 from sandboxes.cgroups import CgroupSet, available_controllers, list_groups
+from sandboxes.deathwatch import process_start_time
 from sandboxes.limits import Limits
 from sandboxes.registry import register_sandbox_backend
 from sandboxes.seccomp import SECCOMP_PROGRAM
@@ -101,15 +102,6 @@ def _umount(target: Path) -> None:
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOENT):  # not mounted / gone
             raise OSError(err, f"umount {target}: {os.strerror(err)}")
-
-
-def process_start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat: tells a live process from a recycled pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
 
 
 class _Host:

@@ -27,7 +27,7 @@ ZOMBIE_WAIT_S = 300.0
 """How long a zombie owner is waited for before the watcher leaves the rest to the periodic reaper."""
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """Field 22 of /proc/<pid>/stat (tells a live process from a recycled pid); None when gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -49,7 +49,7 @@ class DeathWatch:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _ENTRY, "--backend", backend,
-                 "--owner", f"{pid}:{_start_time(pid)}"],
+                 "--owner", f"{pid}:{process_start_time(pid)}"],
                 stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True,
                 cwd=Path(__file__).resolve().parents[1])
         finally:
@@ -78,7 +78,7 @@ def _wait_for_death(pid: int, start: str) -> bool:
         pidfd: int | None = os.pidfd_open(pid)
     except (AttributeError, OSError):
         pidfd = None
-    if _start_time(pid) != start:
+    if process_start_time(pid) != start:
         return True
     watched = [sys.stdin.fileno()] + ([pidfd] if pidfd is not None else [])
     while True:
@@ -89,7 +89,7 @@ def _wait_for_death(pid: int, start: str) -> bool:
             watched.remove(sys.stdin.fileno())  # EOF: the owner is exiting; the pidfd (or polling) confirms it
         if pidfd is not None and pidfd in ready:
             return True
-        if pidfd is None and _start_time(pid) != start:
+        if pidfd is None and process_start_time(pid) != start:
             return True
 
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _wait_for_death(pid, start):
         return 0
     deadline = time.monotonic() + ZOMBIE_WAIT_S
-    while _start_time(pid) == start and time.monotonic() < deadline:  # a zombie: its owner file still names it
+    while process_start_time(pid) == start and time.monotonic() < deadline:  # a zombie: its owner file still names it
         time.sleep(POLL_S)
     import asyncio
 

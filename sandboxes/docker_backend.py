@@ -443,7 +443,7 @@ class DockerSandbox(Sandbox):
 async def reap_containers() -> int:
     """Remove sandbox containers whose owning process (on this host) is gone, and their control dirs."""
     def reap() -> int:
-        from sandboxes.bwrap import process_start_time
+        from sandboxes.deathwatch import process_start_time
 
         removed = 0
         live: set[str] = set()

@@ -22,9 +22,9 @@ import io
 import json
 import os
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import nats.errors
@@ -42,6 +42,8 @@ from streams.protocols import TransportError
 
 PUT_WINDOW = 64
 """Object chunks (128 KiB each) a write keeps unacknowledged: 8 MiB in flight."""
+BucketT = TypeVar("BucketT")
+"""A JetStream bucket handle: an object store or a key-value bucket."""
 
 
 class NatsError(TransportError):
@@ -128,17 +130,24 @@ class Nats:
             raise NatsError("not connected")
         return self.js
 
-    # -- object store ------------------------------------------------------------------------------
-    async def object_store(self, bucket: str) -> ObjectStore:
-        if bucket not in self._object_stores:
+    async def _bucket(self, cache: dict[str, BucketT], bucket: str,
+                      bind: Callable[[JetStreamContext], Awaitable[BucketT]],
+                      create: Callable[[JetStreamContext], Awaitable[BucketT]]) -> BucketT:
+        """``cache[bucket]``, else the bucket bound within the timeout (made with ``create`` if it does not exist)."""
+        if bucket not in cache:
             js = self._jetstream()
             with anyio.fail_after(self.cfg.timeout_s):
                 try:
-                    self._object_stores[bucket] = await js.object_store(bucket)
+                    cache[bucket] = await bind(js)
                 except (BucketNotFoundError, NotFoundError):
-                    self._object_stores[bucket] = await js.create_object_store(
-                        bucket, ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE))
-        return self._object_stores[bucket]
+                    cache[bucket] = await create(js)
+        return cache[bucket]
+
+    # -- object store ------------------------------------------------------------------------------
+    async def object_store(self, bucket: str) -> ObjectStore:
+        return await self._bucket(
+            self._object_stores, bucket, lambda js: js.object_store(bucket),
+            lambda js: js.create_object_store(bucket, ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE)))
 
     async def put_file(self, bucket: str, name: str, path: str | Path, timeout_s: float | None = None) -> dict[str, Any]:
         """Stream a file into the object store; returns {name, size, sha256}."""
@@ -290,15 +299,9 @@ class Nats:
 
     # -- key-value ---------------------------------------------------------------------------------
     async def kv(self, bucket: str, history: int = 1) -> KeyValue:
-        if bucket not in self._kvs:
-            js = self._jetstream()
-            with anyio.fail_after(self.cfg.timeout_s):
-                try:
-                    self._kvs[bucket] = await js.key_value(bucket)
-                except (BucketNotFoundError, NotFoundError):
-                    self._kvs[bucket] = await js.create_key_value(
-                        KeyValueConfig(bucket=bucket, history=history, storage=StorageType.FILE))
-        return self._kvs[bucket]
+        return await self._bucket(
+            self._kvs, bucket, lambda js: js.key_value(bucket),
+            lambda js: js.create_key_value(KeyValueConfig(bucket=bucket, history=history, storage=StorageType.FILE)))
 
     async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
         kv = await self.kv(bucket)

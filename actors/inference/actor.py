@@ -220,6 +220,7 @@ class InferenceActor(StreamActor):
         self.chunks_out = 0  # rollout.tokens records
         self.resumed = 0
         self.samples_taken_over = 0  # samples continued from another actor's chunks (resume.py)
+        self.stream_breaks = 0  # taken-over samples whose chunks had a gap or a conflict (resume.py)
         self.tokens_taken_over = 0
         self.waited_for_sandbox = 0
         self.frontiers: Frontiers | None = None
@@ -391,6 +392,15 @@ class InferenceActor(StreamActor):
                 and self.frontiers.may_have_frontiers(record.timestamp_ms, owned_since)):
             taken = await self.frontiers.take(record.timestamp_ms,
                                               [_sample_id(task, i) for i in range(task.group_size)], owned_since)
+            for sid, front in list(taken.items()):
+                if front.broken:
+                    self.stream_breaks += 1
+                    log.warning("%s: %s's stream on %s is broken: %s (%d chunk(s) not taken); it %s", self.name,
+                                sid, self.rt.names.tokens, front.broken, front.ignored,
+                                f"continues from its first {front.chunks} chunk(s)" if front.chunks
+                                else "is generated from scratch")
+                    if not front.chunks:
+                        del taken[sid]
         async with anyio.create_task_group() as tg:
             for i in range(task.group_size):
                 tg.start_soon(self._run_sample, record, task, i, prompt_ids, completions, headers,
@@ -610,5 +620,6 @@ class InferenceActor(StreamActor):
         stats.update(weight_version=self.weight_version, samples_done=self.samples_done,
                      tokens_out=self.tokens_out, chunks_out=self.chunks_out, resumed=self.resumed,
                      samples_taken_over=self.samples_taken_over, tokens_taken_over=self.tokens_taken_over,
+                     stream_breaks=self.stream_breaks,
                      waited_for_sandbox=self.waited_for_sandbox)
         return stats

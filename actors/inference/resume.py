@@ -13,8 +13,13 @@ frontier, the tokens, logprobs and per-token versions as they were, instead of g
 
 Within a sample the chunks are in production order (one key, one partition). A chunk with ``seq`` 0 starts
 a generation again (an older actor that started from scratch): the frontier is rebuilt from it. A chunk
-whose ``seq`` is not the next one (a producer's retry, a second owner racing a zombie) is ignored, so the
-frontier is always one unbroken run.
+whose ``seq`` is not the next one is ignored, so the frontier is always one unbroken run. A retried chunk
+(the same tokens at a ``seq`` already read) is harmless; anything else is a broken stream and is said
+(``Frontier.broken``; the actor logs it and counts ``stream_breaks``): a gap or an out-of-order chunk (a
+``seq`` past the next one), a chunk that disagrees with the one already read at its ``seq`` (two owners
+racing), a chunk after the ``done`` one, or chunks whose ``seq`` 0 is not in the read. The sample is then
+continued from the unbroken run before the break, and what came after it is generated again: never a
+resume from a stream with a hole in it.
 
 Only records that may have been worked on before this actor took over are looked up: those timestamped
 before it owned their partition, that is before it started or, for a partition a rebalance moved to it
@@ -32,6 +37,8 @@ import dataclasses
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from engine.schemas import TokenChunk
 from streams.protocols import EventLog
 
@@ -45,6 +52,10 @@ class Frontier:
     arrays, not Python lists: a reader holds a whole window of the fleet's chunks)."""
 
     parts: list[TokenChunk] = dataclasses.field(default_factory=list)
+    broken: str = ""
+    """What broke the stream after the unbroken run (empty for a sound stream)."""
+    ignored: int = 0
+    """Chunks not taken: the one that broke the stream and every one after it."""
 
     @property
     def chunks(self) -> int:
@@ -70,17 +81,35 @@ class Frontier:
         return ids, lps, [v for c in self.parts for v in c.versions()]
 
 
+def _break(front: Frontier, chunk: TokenChunk) -> str:
+    """Why ``chunk`` does not extend ``front``; empty for a retry of a chunk already read (the same tokens)."""
+    if chunk.seq < front.chunks and np.array_equal(front.parts[chunk.seq].token_ids, chunk.token_ids):
+        return ""
+    if front.finished:
+        return f"chunk {chunk.seq} after the done chunk {front.chunks - 1}"
+    if chunk.seq > front.chunks:
+        return f"chunk {chunk.seq} where {front.chunks} was next (a gap, or out of order)"
+    return f"chunk {chunk.seq} disagrees with the chunk {chunk.seq} already read (two producers)"
+
+
 def frontiers(chunks: Iterable[TokenChunk]) -> dict[str, Frontier]:
-    """Each sample's frontier from its chunks in production order (see the module docstring)."""
+    """Each sample's frontier from its chunks in production order (see the module docstring). At the first
+    break a frontier stops growing: it keeps the unbroken run before it (possibly none) and says why."""
     out: dict[str, Frontier] = {}
     for chunk in chunks:
         if chunk.seq == 0:
             out[chunk.sample_id] = Frontier()
         front = out.get(chunk.sample_id)
-        if front is None or front.finished or chunk.seq != front.chunks:
-            continue
-        front.add(chunk)
-    return {sid: f for sid, f in out.items() if f.chunks}
+        if front is None:
+            out[chunk.sample_id] = Frontier(broken=f"chunk {chunk.seq} with no chunk 0 before it in the read",
+                                            ignored=1)
+        elif front.broken:
+            front.ignored += 1
+        elif chunk.seq == front.chunks and not front.finished:
+            front.add(chunk)
+        elif why := _break(front, chunk):
+            front.broken, front.ignored = why, 1
+    return {sid: f for sid, f in out.items() if f.chunks or f.broken}
 
 
 class Frontiers:

@@ -5,7 +5,7 @@ by doubling up to ``max_blocks`` as blocks are taken. A block is *held* by every
 sequence) and every node of the prefix tree that points at it: :meth:`BlockPool.incref` /
 :meth:`BlockPool.decref` count the holders and a block whose count falls to 0 is free again (the
 lowest free block is taken first, so the pool's used part stays compact). What a block holds, and in
-which order a sequence reads blocks, is the block tables' business (``local/runner.py``).
+which order a sequence reads blocks, is the block tables' business (``local/blocktable.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ The engine schedules sequences; a :class:`KVStore` answers every question about 
 engine never asks which store it has. The layers, each a module with one job:
 
 - the **runner** (``local/runner.py``): the forward pass, and the keys and values themselves (a pool of
-  blocks addressed through block tables, or one row per sequence);
+  blocks addressed through block tables, or one row per sequence); the paged runner's pool of blocks and
+  their reference counts (``local/blockpool.py``) and its block tables (``local/blocktable.py``: which
+  blocks each sequence holds, a window's released ones, what another sequence may share);
 - the **store** (this module): admission (will a request's worst case fit), sharing a prefix with a
   running sequence, retaining a leaving sequence's prefix and finding it again, a sliding window's
   released blocks, the statistics;
@@ -200,7 +202,7 @@ class PagedStore(KVStore):
         worst = runner.blocks_for(self._worst_case_tokens(prompt, max_new_tokens))
         if runner.window is None:
             return worst
-        return min(worst, runner.sink_blocks + runner.blocks_for(runner.window + self.chunk_size) + 3)
+        return min(worst, runner.tables.sink_blocks + runner.blocks_for(runner.window + self.chunk_size) + 3)
 
     def check_request(self, prompt: int, max_new_tokens: int) -> None:
         if self.worst_case_blocks(prompt, max_new_tokens) > self.runner.max_blocks:
@@ -214,14 +216,14 @@ class PagedStore(KVStore):
         """Blocks ``seq`` may still allocate: its worst case minus the blocks its table holds (or, not yet
         admitted, the ``credit`` of blocks it will share)."""
         worst = self.worst_case_blocks(len(seq.prompt_ids), seq.params.max_new_tokens)
-        held = self.runner.held_blocks(seq.kv_id) if seq.kv_id is not None else credit
+        held = self.runner.tables.held_blocks(seq.kv_id) if seq.kv_id is not None else credit
         return max(0, worst - held)
 
     def credit(self, source_kv: int | None, n: int) -> int:
         """Full blocks of the prompt that the running ``source_kv`` holds computed now: sharing them by
         reference, the new sequence never allocates them. (The tree's unshared blocks are not counted:
         making room may evict them.)"""
-        return self.runner.shared_blocks(source_kv, n) if source_kv is not None else 0
+        return self.runner.tables.shared_blocks(source_kv, n) if source_kv is not None else 0
 
     def admit(self, seq: KVHolder, running: Seq[KVHolder], credit: int) -> bool:
         """Admit ``seq`` only if every running sequence's worst case and its own fit in the free blocks
@@ -241,13 +243,13 @@ class PagedStore(KVStore):
         return True
 
     def can_share(self, source_kv: int, n: int) -> bool:
-        return self.runner.can_share(source_kv, n)
+        return self.runner.tables.can_share(source_kv, n)
 
     def after_step(self, running: Seq[KVHolder]) -> None:
         if self.runner.window is not None:
             for seq in running:  # a sliding window: blocks no later query reads go back
                 if seq.kv_id is not None:
-                    self.runner.release_outside_window(seq.kv_id, seq.cached)
+                    self.runner.tables.release_outside_window(seq.kv_id, seq.cached)
 
     # -- prefixes ----------------------------------------------------------------------------------
     def share(self, seq: KVHolder, best: int, source: KVHolder | None, *, restore: bool = True) -> None:
@@ -277,9 +279,9 @@ class PagedStore(KVStore):
 
     def retain(self, tokens: list[int], kv_id: int, cached: int) -> None:
         # with a window, what comes before the first released block (the sinks' blocks)
-        keep = min(cached, self.runner.live_prefix(kv_id))
+        keep = min(cached, self.runner.tables.live_prefix(kv_id))
         if keep >= 2:
-            self.tree.insert(tokens[:keep], self.runner.table(kv_id))
+            self.tree.insert(tokens[:keep], self.runner.tables.table(kv_id))
 
     def _demote(self, tokens: list[int], blocks: list[int]) -> None:
         """The tree evicts a leaf: keep its whole prefix in the int8 tier."""

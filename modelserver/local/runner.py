@@ -3,13 +3,15 @@
 Two KV stores run the same forward pass (:meth:`Runner.step`); only where keys and values live differs.
 
 - :class:`PagedRunner` (the default, ``kv_cache = "paged"``): one pool of fixed-size *blocks* per layer,
-  ``(blocks x block_size, kv_heads, head_dim)``, bounded by ``max_tokens``. A sequence owns a *block
-  table* (the pool blocks holding its positions ``0..n-1`` in order); a new token is written in place at
+  ``(blocks x block_size, kv_heads, head_dim)``, bounded by ``max_tokens`` (``local/blockpool.py``). A
+  sequence owns a *block table* (the pool blocks holding its positions ``0..n-1`` in order; the tables,
+  their references on the pool, a window's released blocks and what may be shared are kept by
+  ``PagedRunner.tables``, ``local/blocktable.py``); a new token is written in place at
   ``table[p // block_size] * block_size + p % block_size`` and nothing is copied between steps. Blocks are
   reference counted: a GRPO group's samples and the retained prefix cache (a radix tree over blocks,
   ``local/radix.py``) *share* the blocks of a common prefix instead of copying them; only a partly
   filled last block is copied (copy on write). Attention gathers each row's key positions from the
-  pool through its table (one ``index_select`` per layer).
+  pool through its table (one ``index_select`` per layer), or reads a group's shared blocks once (cascade).
 - :class:`SlotRunner` (``kv_cache = "slot"``): one preallocated tensor per layer, ``(slots, kv_heads,
   capacity, head_dim)``: a sequence owns a *slot* (a row) for its whole life and its ``n`` cached tokens
   are that row's first ``n`` positions. When the decode rows are slots ``0..B-1`` the keys are a view of
@@ -52,6 +54,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from modelserver.local.blockpool import BlockPool, OutOfBlocks
+from modelserver.local.blocktable import BlockTables
 from modelserver.local.prefix_cache import common_prefix
 
 if TYPE_CHECKING:  # the layout the runner drives (SmolLM2 is a Llama)
@@ -63,8 +66,6 @@ __all__ = ["KV_CACHES", "OutOfBlocks", "PagedRunner", "Runner", "SUPPORTED_MODEL
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 KV_CACHES = ("paged", "slot")
 """The local engine's KV stores (``inference.kv_cache`` / ``--kv-cache``); paged is the default."""
-HOLE = -1
-"""A paged block-table entry whose block a sliding window released (no later query reads it)."""
 
 Ranges = list[tuple[int, int]]
 Writer = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -429,27 +430,22 @@ class SlotRunner(Runner):
 
 
 class PagedRunner(Runner):
-    """Sequences hold block tables into one pool of fixed-size KV blocks per layer; see the module docstring."""
+    """Keys and values in one pool of fixed-size blocks per layer, read and written through the sequences'
+    block tables (``tables``, ``local/blocktable.py``); see the module docstring."""
 
     def __init__(self, model: PreTrainedModel, *, max_seqs: int = 64, max_tokens: int = 65536, block_size: int = 16,
                  initial_tokens: int = 4096, attention_window: int | None = None, attention_sinks: int = 0) -> None:
         super().__init__(model, attention_window=attention_window, attention_sinks=attention_sinks)
-        if max_seqs < 1:
-            raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
         self.pool = BlockPool(layers=len(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim,
                               dtype=self.dtype, max_tokens=max_tokens, block_size=block_size,
                               initial_tokens=initial_tokens)
         """The blocks themselves: which are free, who holds them (``local/blockpool.py``)."""
+        self.tables = BlockTables(self.pool, max_seqs=max_seqs, window=self.window, sinks=self.sinks)
+        """Which blocks each sequence holds, a window's released ones, what may be shared (``local/blocktable.py``)."""
         self.block_size = block_size
         self.max_blocks = self.pool.max_blocks
         """The pool's bound in blocks (``max_tokens // block_size``)."""
         self.max_seqs = max_seqs
-        self._tables: dict[int, list[int]] = {}
-        self._holes: dict[int, int] = {}
-        """Per sequence: blocks released from its table (``HOLE``), ``table[sink_blocks : sink_blocks + holes]``."""
-        self._free_ids = list(range(max_seqs))
-        self.sink_blocks = self.blocks_for(self.sinks) if self.window is not None else 0
-        """With a window: the leading blocks that hold attention sinks, never released."""
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -462,96 +458,26 @@ class PagedRunner(Runner):
     def blocks_for(self, tokens: int) -> int:
         return self.pool.blocks_for(tokens)
 
-    # -- block tables ------------------------------------------------------------------------------
-    def table(self, seq: int) -> list[int]:
-        """The blocks holding ``seq``'s positions, in order (a copy; ``HOLE`` where a window released one)."""
-        return list(self._tables[seq])
-
-    def held_blocks(self, seq: int) -> int:
-        """How many blocks ``seq``'s table holds (no copy: admission asks this of every running sequence)."""
-        return len(self._tables[seq]) - self._holes.get(seq, 0)
-
-    # -- a sliding window's released blocks --------------------------------------------------------
-    def release_outside_window(self, seq: int, cached: int) -> int:
-        """With a window, release the blocks of ``seq`` (holding ``cached`` positions) that no later query
-        reads: past the sinks' blocks and wholly older than one block before the next position's window (the
-        margin lets a group's other samples still share a prompt its first sample has just computed). Their
-        table entries become ``HOLE``; returns how many were released."""
-        if self.window is None:
-            return 0
-        table = self._tables[seq]
-        start = self.sink_blocks + self._holes.get(seq, 0)
-        end = min(len(table), (cached - self.window + 1) // self.block_size - 1)
-        released = 0
-        for b in range(start, end):
-            if table[b] != HOLE:
-                self.pool.decref(table[b])
-                table[b] = HOLE
-                released += 1
-        if end > start:
-            self._holes[seq] = end - self.sink_blocks
-        return released
-
-    def can_share(self, seq: int, n: int) -> bool:
-        """Whether another sequence may take the first ``n`` positions of ``seq`` and go on from there: its
-        next window (the keys position ``n`` reads) holds no released block."""
-        holes = self._holes.get(seq, 0)
-        return not holes or self.window is None or (self.sink_blocks + holes) * self.block_size <= n - self.window + 1
-
-    def shared_blocks(self, seq: int, n: int) -> int:
-        """Blocks another sequence holds by taking the first ``n`` positions of ``seq`` (see :meth:`can_share`):
-        the full ones, less the released ones among them."""
-        return n // self.block_size - self._holes.get(seq, 0)
-
-    def live_prefix(self, seq: int) -> int:
-        """Positions of ``seq`` before its first released block (what may be retained for reuse)."""
-        table = self._tables[seq]
-        return (self.sink_blocks if self._holes.get(seq, 0) else len(table)) * self.block_size
-
     def cache_bytes(self) -> int:
         return self.pool.cache_bytes()
 
-    # -- sequences ---------------------------------------------------------------------------------
+    # -- sequences (their tables) ------------------------------------------------------------------
     def acquire(self) -> int:
-        if not self._free_ids:
-            raise RuntimeError(f"all {self.max_seqs} sequence tables are in use")
-        seq = min(self._free_ids)
-        self._free_ids.remove(seq)
-        self._tables[seq] = []
-        return seq
+        return self.tables.acquire()
 
     def release(self, seq: int) -> None:
-        if seq in self._tables:
-            self._drop_table(seq)
-            del self._tables[seq]
-            self._free_ids.append(seq)
-
-    def _drop_table(self, seq: int) -> None:
-        for block in self._tables[seq]:
-            if block != HOLE:
-                self.pool.decref(block)
-        self._tables[seq] = []
-        self._holes.pop(seq, None)
+        self.tables.release(seq)
 
     def _reserve(self, seq: int, end: int) -> None:
-        table = self._tables[seq]
-        while len(table) * self.block_size < end:
-            table.append(self.pool.alloc())
+        self.tables.reserve(seq, end)
 
+    # -- prefixes: shared blocks, copied keys and values ---------------------------------------------
     @torch.inference_mode()
     def adopt(self, seq: int, blocks: list[int], tail_block: int = -1, tail: int = 0) -> None:
         """Make ``seq`` hold ``blocks`` (full blocks of a prefix, shared) then the first ``tail`` positions
         of ``tail_block`` (copied into a block of its own: copy on write)."""
-        self._drop_table(seq)
-        for block in blocks:
-            if block != HOLE:
-                self.pool.incref(block)
-        self._tables[seq] = list(blocks)
-        if HOLE in blocks:  # a prefix of a sequence whose window released blocks (see can_share)
-            self._holes[seq] = blocks.count(HOLE)
+        block = self.tables.adopt(seq, blocks, own_tail=bool(tail))
         if tail:
-            block = self.pool.alloc()
-            self._tables[seq].append(block)
             a, b = tail_block * self.block_size, block * self.block_size
             for k, v in zip(self.k, self.v):
                 k[b:b + tail] = k[a:a + tail]
@@ -559,7 +485,7 @@ class PagedRunner(Runner):
 
     def copy_prefix(self, dst: int, src: int, n: int) -> None:
         """Make ``dst`` hold the first ``n`` positions of ``src``: its full blocks shared, a partial one copied."""
-        source = self._tables[src]
+        source = self.tables.view(src)
         full, rest = divmod(n, self.block_size)
         self.adopt(dst, source[:full], source[full] if rest else -1, rest)
 
@@ -576,14 +502,14 @@ class PagedRunner(Runner):
 
     def export_prefix(self, seq: int, n: int) -> torch.Tensor:
         """A copy of the first ``n`` cached positions of ``seq``: ``(layers, 2, kv_heads, n, head_dim)``."""
-        return self.export_blocks(self._tables[seq], n)
+        return self.export_blocks(self.tables.view(seq), n)
 
     @torch.inference_mode()
     def import_prefix(self, seq: int, kv: torch.Tensor, n: int) -> None:
         """Make ``seq`` hold the first ``n`` positions of ``kv`` (an :meth:`export_prefix` result) in new blocks."""
-        self._drop_table(seq)
-        self._reserve(seq, n)
-        idx = self._flat(self._tables[seq], torch.arange(n))
+        self.tables.clear(seq)
+        self.tables.reserve(seq, n)
+        idx = self._flat(self.tables.view(seq), torch.arange(n))
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             k.index_copy_(0, idx, kv[layer, 0, :, :n].transpose(0, 1).to(k.dtype))
             v.index_copy_(0, idx, kv[layer, 1, :, :n].transpose(0, 1).to(v.dtype))
@@ -596,7 +522,7 @@ class PagedRunner(Runner):
         return torch.cat([torch.arange(a, b) for a, b in ranges])
 
     def _chunk_io(self, seq: int, start: int, end: int, ranges: Ranges) -> tuple[Writer, Reader]:
-        table = self._tables[seq]
+        table = self.tables.view(seq)
         widx = self._flat(table, torch.arange(start, end))
         ridx = self._flat(table, self._key_positions(ranges))
 
@@ -612,7 +538,7 @@ class PagedRunner(Runner):
 
     def _rows_io(self, seqs: list[int], positions: list[int], ranges: Ranges) -> tuple[Writer, Attend]:
         bs = self.block_size
-        tables = [self._tables[s] for s in seqs]
+        tables = [self.tables.view(s) for s in seqs]
         pos = torch.tensor(positions, dtype=torch.long)
         last = torch.tensor([t[p // bs] for t, p in zip(tables, positions)], dtype=torch.long)
         widx = last * bs + pos % bs

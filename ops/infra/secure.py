@@ -30,6 +30,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -41,6 +42,22 @@ from ops.infra.process import find_executable, tcp_accepts
 
 ADMIN_USER = "admin"
 """The broker's own SASL identity (inter-broker traffic on the SASL_PLAINTEXT listener)."""
+
+
+def _openssl() -> str:
+    """The ``openssl`` executable; InfraError if it is not installed."""
+    openssl = find_executable("openssl")
+    if openssl is None:
+        raise InfraError("openssl not found: apt-get install openssl")
+    return openssl
+
+
+def _run_openssl(openssl: str, steps: Sequence[Sequence[object]]) -> None:
+    """Run ``openssl STEP...`` for each step in turn; InfraError naming the first that fails, with its stderr."""
+    for step in steps:
+        result = subprocess.run([openssl, *map(str, step)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if result.returncode != 0:
+            raise InfraError(f"openssl {step[0]} failed (exit {result.returncode})", log_tail=result.stderr[-2000:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +73,7 @@ class SelfSignedCA:
 
 def make_test_ca(directory: Path, password: str = "rollout-test") -> SelfSignedCA:
     """A CA and a server certificate (SAN IP:127.0.0.1, DNS:localhost) made with ``openssl``; idempotent."""
-    openssl = find_executable("openssl")
-    if openssl is None:
-        raise InfraError("openssl not found: apt-get install openssl")
+    openssl = _openssl()
     directory.mkdir(parents=True, exist_ok=True)
     ca_key, ca_cert = directory / "ca.key", directory / "ca.pem"
     key, csr, cert = directory / "server.key", directory / "server.csr", directory / "server.pem"
@@ -76,10 +91,7 @@ def make_test_ca(directory: Path, password: str = "rollout-test") -> SelfSignedC
         ["pkcs12", "-export", "-in", cert, "-inkey", key, "-certfile", ca_cert, "-name", "kafka",
          "-out", keystore, "-passout", f"pass:{password}"],
     ]  # fmt: skip
-    for step in steps:
-        result = subprocess.run([openssl, *map(str, step)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if result.returncode != 0:
-            raise InfraError(f"openssl {step[0]} failed (exit {result.returncode})", log_tail=result.stderr[-2000:])
+    _run_openssl(openssl, steps)
     return ca
 
 
@@ -94,9 +106,7 @@ class ClientCertificate:
 def make_client_cert(ca_dir: Path, name: str) -> ClientCertificate:
     """A client certificate (CN=``name``, extendedKeyUsage clientAuth) signed by the CA that
     :func:`make_test_ca` made in ``ca_dir``; idempotent."""
-    openssl = find_executable("openssl")
-    if openssl is None:
-        raise InfraError("openssl not found: apt-get install openssl")
+    openssl = _openssl()
     ca_key, ca_cert = ca_dir / "ca.key", ca_dir / "ca.pem"
     key, csr, cert = ca_dir / f"{name}.key", ca_dir / f"{name}.csr", ca_dir / f"{name}.pem"
     ext = ca_dir / f"{name}.ext"
@@ -109,10 +119,7 @@ def make_client_cert(ca_dir: Path, name: str) -> ClientCertificate:
         ["x509", "-req", "-in", csr, "-CA", ca_cert, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
          "-days", "2", "-extfile", ext],
     ]  # fmt: skip
-    for step in steps:
-        result = subprocess.run([openssl, *map(str, step)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if result.returncode != 0:
-            raise InfraError(f"openssl {step[0]} failed (exit {result.returncode})", log_tail=result.stderr[-2000:])
+    _run_openssl(openssl, steps)
     return made
 
 

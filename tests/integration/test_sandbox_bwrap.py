@@ -16,6 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from helpers.fixtures import process_state
 from sandboxes import Limits, Sandbox, SandboxPool, open_sandbox
 from sandboxes.verifiers import verify_code, verify_terminal
 
@@ -113,22 +114,14 @@ async def test_zombies_do_not_accumulate(backend: str) -> None:
             result = await sb.exec(["python3", "-c", script])
             assert result.stdout.strip() == "ok" or result.exit_code != 0
         assert (await sb.exec("echo fine")).stdout == "fine\n"
-        assert [pid for pid in _pids(sb) if _state(str(pid)) == "Z"] == []
+        assert [pid for pid in _pids(sb) if process_state(pid) == "Z"] == []
         # this sandbox's host uids (scoped: orphans of other sandboxes' owners, e.g. a host killed by
         # another test, are not this sandbox's to reap)
         uids = {_uid(str(pid)) for pid in _pids(sb)} - {-1, 0}
     if backend == "bwrap":  # docker's init runs as root; its commands' zombies were checked above
         assert uids and all(uid >= 200_000 for uid in uids)
-    zombies = [p for p in os.listdir("/proc") if p.isdigit() and _state(p) == "Z" and _uid(p) in uids]
+    zombies = [p for p in os.listdir("/proc") if p.isdigit() and process_state(p) == "Z" and _uid(p) in uids]
     assert zombies == []
-
-
-def _state(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
 
 
 def _uid(pid: str) -> int:

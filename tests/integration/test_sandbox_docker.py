@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
+from helpers.fixtures import process_state
 from sandboxes import Limits, Sandbox, SandboxPool, open_sandbox
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -173,17 +174,9 @@ async def test_a_dead_init_is_replaced_at_reset(sandbox: Sandbox) -> None:
     (init,) = sandbox.init_pids  # type: ignore[attr-defined]
     os.kill(init, signal.SIGKILL)  # the container ends with its pid 1
     with anyio.fail_after(10):
-        while _state(init) not in ("", "Z"):
+        while process_state(init) not in ("", "Z"):
             await anyio.sleep(0.01)
     await sandbox.reset()
     assert sandbox.container.id != old  # type: ignore[attr-defined]
     result = await sandbox.exec("ls -A /work; echo back")
     assert result.stdout == "back\n", result
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""

@@ -82,6 +82,11 @@ def test_off_policy_preset_and_band_errors_name_the_field(tmp_path):
     f.write_text('[learner]\nstaleness_policy = "keep"\n')
     with pytest.raises(ConfigError, match=r"learner\.staleness_policy"):
         load_config(f, environ={})
+    f.write_text('[learner]\npacking = "alone"\n')
+    with pytest.raises(ConfigError, match=r"learner\.packing: Input should be 'rows' or 'per_sample'"):
+        load_config(f, environ={})
+    f.write_text('[learner]\npacking = "per_sample"\n')
+    assert load_config(f, environ={}).learner.packing == "per_sample"
 
 
 @pytest.mark.parametrize("value", [0, -0.5])

@@ -18,8 +18,8 @@ from modelserver.local.protocol import BadRequest, SamplingParams
 from modelserver.llm import build_char_tokenizer, build_tiny_model, tiny_config
 
 # What names a store's kind, or reaches below the store's interface: the engine must use none of them.
-STORE_INTERNALS = {"PagedRunner", "SlotRunner", "BlockPool", "BlockRadix", "PagedStore", "SlotStore",
-                   "radix", "tree", "pool", "kind", "max_blocks", "block_size", "window"}
+STORE_INTERNALS = {"PagedRunner", "SlotRunner", "BlockPool", "BlockTables", "BlockRadix", "PagedStore", "SlotStore",
+                   "radix", "tree", "pool", "tables", "kind", "max_blocks", "block_size", "window"}
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,8 @@ def store_questions(source: str) -> list[str]:
             found.append((node.lineno, node.id))
         elif isinstance(node, ast.Attribute) and node.attr in STORE_INTERNALS:
             found.append((node.lineno, f".{node.attr}"))
-        elif isinstance(node, ast.ImportFrom) and node.module in ("modelserver.local.radix", "modelserver.local.blockpool"):
+        elif isinstance(node, ast.ImportFrom) and node.module in ("modelserver.local.radix", "modelserver.local.blockpool",
+                                                                   "modelserver.local.blocktable"):
             found.append((node.lineno, f"imports {node.module}"))
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
               and any(isinstance(a, ast.Attribute) and a.attr in ("runner", "kv") for a in node.args[:1])):

@@ -130,6 +130,8 @@ def test_bad_preset_and_band_are_named():
         behaviour_weights(lr, mask, preset="tis2")
     with pytest.raises(ValueError, match=r"learner.off_policy_band needs 0 <= low < high, got \[2.0, 1.0\]"):
         behaviour_weights(lr, mask, preset="icepop", band=(2.0, 1.0))
+    with pytest.raises(ValueError, match=r"learner.off_policy_band needs 0 <= low < high, got \[1.5, 1.5\]"):
+        behaviour_weights(lr, mask, preset="geo_mask", band=(1.5, 1.5))  # an empty band masks everything
 
 
 @pytest.mark.parametrize("preset", ["icepop", "seq_mis", "geo_mask"])

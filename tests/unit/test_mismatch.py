@@ -5,6 +5,7 @@ T = 0.7), and the learner's step metrics measure the gap on same-version tokens 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 from typing import Any
 
@@ -116,17 +117,37 @@ async def test_rescored_logprobs_equal_the_learners_on_the_tiny_model(tiny) -> N
 
 
 @pytest.mark.anyio
+async def test_the_mismatch_loadtests_learner_part_reports_each_packing(tiny) -> None:
+    """loadtests/mismatch.py's learner part on the tiny model: both packings' gap and step time, one forward
+    per sample under per_sample, and that one's gap within the bound."""
+    from loadtests.mismatch import _train_steps
+
+    model, tokenizer = tiny
+    samples = await _sample(model, tokenizer, [tokenizer.encode(t) for t in ("2+3=", "abc")], rescore=True)
+    got = _train_steps(model, [(s.prompt_ids.tolist(), s.response_ids.tolist(), s.logprobs.tolist())
+                               for s in samples], repeats=1)
+    assert got["train_micro_batches_per_sample"] == len(samples) > got["train_micro_batches_rows"]
+    assert got["train_gap_per_sample_max"] <= FP32_BOUND
+    assert got["per_sample_step_cost"] == got["train_step_s_per_sample"] / got["train_step_s_rows"] > 0
+
+
+@pytest.mark.anyio
 async def test_rescored_logprobs_equal_the_learners_on_smollm2(smol) -> None:
     model, tokenizer = smol
     prompts = [_chat(tokenizer, q) for q in ("What is 4 + 5?", "Say hello in French.", "Name a prime number.")]
     rescored = await _sample(model, tokenizer, prompts, rescore=True)
     _assert_equal_on_every_token(model, rescored)
-    # the learner's step measures the gap on these same-version tokens with its packed training forward:
-    # rows padded to a common width change sdpa's split of the keys, so not bitwise (docs/learner.md's table)
-    learner = Learner(model, LearnerConfig(batch_size=len(rescored), share_prefix=False, lr=1e-12), max_staleness=4)
-    stats = learner.train_on(rescored)
-    assert stats["mismatch_tokens"] == sum(len(s.response_ids) for s in rescored)
-    assert stats["mismatch_max"] < 1e-4
+    # the learner's step measures the gap on these same-version tokens with its training forward (each
+    # learner on a copy of the served weights: a step moves them). Packed into padded rows, sdpa splits the
+    # keys differently, so not bitwise (docs/learner.md's table); one forward per sample
+    # (learner.packing = "per_sample") has score_tokens' shapes: equal on every token.
+    tokens = sum(len(s.response_ids) for s in rescored)
+    for packing, bound in (("rows", 1e-4), ("per_sample", FP32_BOUND)):
+        cfg = LearnerConfig(batch_size=len(rescored), share_prefix=False, lr=1e-6, packing=packing)
+        stats = Learner(copy.deepcopy(model), cfg, max_staleness=4).train_on(rescored)
+        assert stats["mismatch_tokens"] == tokens and stats["micro_batches"] >= 1
+        assert stats["mismatch_max"] <= bound, (packing, stats["mismatch_max"])
+    assert stats["micro_batches"] == len(rescored)
 
 
 @pytest.mark.anyio

@@ -55,13 +55,13 @@ def test_blocks_are_shared_reference_counted_and_bounded(model) -> None:  # type
     runner = PagedRunner(model, max_seqs=4, max_tokens=4 * 8, block_size=4, initial_tokens=4)
     a, b = runner.acquire(), runner.acquire()
     runner.prefill(a, 0, list(range(10, 20)))  # 10 tokens: blocks 0..2 (the last one half full)
-    assert len(runner.table(a)) == 3 and runner.pool.free_blocks == 5
+    assert len(runner.tables.table(a)) == 3 and runner.pool.free_blocks == 5
     runner.copy_prefix(b, a, 10)
-    shared, own = runner.table(b)[:2], runner.table(b)[2]
-    assert shared == runner.table(a)[:2] and own != runner.table(a)[2]  # full blocks shared, the partial one copied
+    shared, own = runner.tables.table(b)[:2], runner.tables.table(b)[2]
+    assert shared == runner.tables.table(a)[:2] and own != runner.tables.table(a)[2]  # full blocks shared, the partial one copied
     assert [runner.pool.refcount(x) for x in shared] == [2, 2] and runner.pool.free_blocks == 4
     for layer in range(len(runner.k)):  # the copied half block holds the source's keys and values
-        src, dst = runner.table(a)[2] * 4, own * 4
+        src, dst = runner.tables.table(a)[2] * 4, own * 4
         assert torch.equal(runner.k[layer][dst:dst + 2], runner.k[layer][src:src + 2])
     runner.release(a)
     assert [runner.pool.refcount(x) for x in shared] == [1, 1] and runner.pool.free_blocks == 5  # a's own block came back
@@ -79,7 +79,7 @@ def test_radix_tree_matches_to_the_token_evicts_lru_and_releases_everything(mode
     seq = runner.acquire()
     tokens = list(range(1, 11))  # 2 full blocks + 2 tokens
     runner.prefill(seq, 0, tokens)
-    table = runner.table(seq)
+    table = runner.tables.table(seq)
     assert tree.insert(tokens, table) == 3 and tree.tokens == 10 and tree.blocks == 3
     runner.release(seq)
     assert runner.pool.used_blocks == 3  # the tree holds them now
@@ -91,7 +91,7 @@ def test_radix_tree_matches_to_the_token_evicts_lru_and_releases_everything(mode
     # a second prefix; then memory pressure: LRU leaves that nothing else holds go first
     other = runner.acquire()
     runner.prefill(other, 0, [50, 51, 52, 53, 54, 55, 56, 57])
-    tree.insert([50, 51, 52, 53, 54, 55, 56, 57], runner.table(other))
+    tree.insert([50, 51, 52, 53, 54, 55, 56, 57], runner.tables.table(other))
     tree.match(tokens, limit=10)  # the first prefix is now the most recently used
     assert tree.evictable() == 3  # other's blocks are shared with a running sequence: evicting them frees nothing
     assert tree.evict(1) == 1 and tree.match(tokens, limit=10)[2] == 0  # the first prefix's tail leaf went
@@ -106,7 +106,7 @@ def test_the_trees_own_bound_evicts_and_feeds_the_int8_tier(model) -> None:  # t
     tree = BlockRadix(runner, max_tokens=8, on_evict=lambda t, b: evicted.append((t, b)))  # 2 blocks at most
     seq = runner.acquire()
     runner.prefill(seq, 0, list(range(12)))
-    table = runner.table(seq)
+    table = runner.tables.table(seq)
     tree.insert(list(range(12)), table)
     assert tree.blocks == 2 and evicted == [(list(range(12)), table)]  # the deepest leaf, with its whole prefix
     runner.release(seq)
@@ -159,7 +159,7 @@ async def test_a_group_shares_its_prompt_blocks(model, tok) -> None:  # type: ig
         runner = engine.runner
         assert isinstance(runner, PagedRunner)
         full = (len(prompt) - 1) // 4
-        tables = [runner.table(s.kv_id) for s in group if s.kv_id is not None and not s.finished]
+        tables = [runner.tables.table(s.kv_id) for s in group if s.kv_id is not None and not s.finished]
         assert len(tables) == 8 and all(t[:full] == tables[0][:full] for t in tables)  # the same pool blocks
         assert all(runner.pool.refcount(b) >= 8 for b in tables[0][:full])
         await asyncio.gather(*(_finish(s) for s in group))
@@ -215,7 +215,7 @@ def test_cascade_decode_over_a_shared_prefix_matches_the_full_forward(model, tok
     for step in range(3):
         for s, t in zip(seqs, toks):
             s.append(t)
-        assert len(runner._cascade_groups([runner.table(r) for r in rows])) == 1
+        assert len(runner._cascade_groups([runner.tables.table(r) for r in rows])) == 1
         logits = runner.decode(rows, [len(s) - 1 for s in seqs], toks)
         toks = [int(torch.argmax(row)) if i % 2 == 0 else (7 + i + step) for i, row in enumerate(logits)]
     assert logits is not None

@@ -34,17 +34,34 @@ def _chunk(sid: str, seq: int, ids: list[int], versions: list[int], *, done: str
 
 def test_a_frontier_is_the_unbroken_run_of_chunks_of_the_latest_generation() -> None:
     a = [_chunk("t/0", 0, [10, 11], [0, 0]), _chunk("t/0", 1, [12], [1]),
-         _chunk("t/0", 1, [12], [1]),  # a producer's retry: not the next seq, ignored
-         _chunk("t/0", 3, [99], [1])]  # a gap: ignored
+         _chunk("t/0", 1, [12], [1]),  # a producer's retry: harmless, ignored
+         _chunk("t/0", 3, [99], [1]),  # a gap: the stream is broken here
+         _chunk("t/0", 2, [98], [1])]  # and nothing after the break is taken, even the seq that was next
     b = [_chunk("t/1", 0, [20], [0]), _chunk("t/1", 1, [21], [0]),
          _chunk("t/1", 0, [30, 31], [2, 2])]  # generated again from scratch: the frontier starts over
-    c = [_chunk("t/2", 0, [40], [0], done="length"), _chunk("t/2", 1, [41], [0])]  # after done: nothing more
+    c = [_chunk("t/2", 0, [40], [0], done="length"), _chunk("t/2", 0, [40], [0], done="length"),  # a retry
+         _chunk("t/2", 1, [41], [0])]  # after done: broken
     got = frontiers(a + b + c)
     ids, lps, versions = got["t/0"].tokens()
     assert (ids, versions) == ([10, 11, 12], [0, 0, 1]) and not got["t/0"].finished
-    assert got["t/1"].tokens()[0] == [30, 31] and got["t/1"].chunks == 1
+    assert (got["t/0"].broken, got["t/0"].ignored) == ("chunk 3 where 2 was next (a gap, or out of order)", 2)
+    assert got["t/1"].tokens()[0] == [30, 31] and got["t/1"].chunks == 1 and not got["t/1"].broken
     assert got["t/2"].tokens()[0] == [40] and got["t/2"].finish_reason == "length"
+    assert got["t/2"].broken == "chunk 1 after the done chunk 0"
     assert lps == np.asarray([-0.5, -0.6, -0.5], np.float32).tolist()
+
+
+def test_out_of_order_conflicting_and_headless_streams_are_said_and_never_spliced() -> None:
+    swapped = [_chunk("s/0", 0, [1], [0]), _chunk("s/0", 2, [3], [0]), _chunk("s/0", 1, [2], [0]),
+               _chunk("s/0", 3, [4], [0])]
+    racing = [_chunk("s/1", 0, [1], [0]), _chunk("s/1", 1, [2], [0]), _chunk("s/1", 1, [7], [0])]
+    headless = [_chunk("s/2", 1, [5], [0]), _chunk("s/2", 2, [6], [0])]  # chunk 0 before the read's start
+    got = frontiers(swapped + racing + headless)
+    assert got["s/0"].tokens()[0] == [1] and got["s/0"].broken.startswith("chunk 2 where 1 was next")
+    assert got["s/0"].ignored == 3
+    assert got["s/1"].tokens()[0] == [1, 2] and "disagrees" in got["s/1"].broken
+    assert got["s/2"].chunks == 0 and got["s/2"].broken == "chunk 1 with no chunk 0 before it in the read"
+    assert got["s/2"].ignored == 2
 
 
 @pytest.mark.anyio
@@ -99,13 +116,13 @@ def _later_than_now() -> None:
 
 @pytest.mark.anyio
 async def test_the_next_actor_continues_each_sample_from_the_tokens_the_dead_one_streamed(
-        tmp_path: Path, tiny_local_server: tuple[str, str]) -> None:
+        tmp_path: Path, tiny_local_server: tuple[str, str], caplog: pytest.LogCaptureFixture) -> None:
     model_dir, url = tiny_local_server
     _, tokenizer = load_model_dir(model_dir)
     cfg = EngineConfig(namespace="takeover", transport=TransportConfig(type="memory"),
                        inference=InferenceConfig(model_dir=model_dir, max_new_tokens=14, concurrency=16,
                                                  stream_interval=4))
-    task = Task(task_id="t1", domain="arith", prompt="2+3=", spec={"answer": "5"}, group_size=3,
+    task = Task(task_id="t1", domain="arith", prompt="2+3=", spec={"answer": "5"}, group_size=4,
                 sampling={"max_new_tokens": 14, "ignore_eos": True})
     async with Runtime(cfg, instance="one", use_nats=False) as rt:
         log = rt.event_log
@@ -117,6 +134,7 @@ async def test_the_next_actor_continues_each_sample_from_the_tokens_the_dead_one
         dead = [_chunk("t1/0", 0, [10, 11, 12, 13], [0, 0, 0, 0]), _chunk("t1/0", 1, [14, 15, 16, 17], [0, 0, 1, 1]),
                 _chunk("t1/1", 0, [20, 21, 22, 23], [1, 1, 1, 1]), _chunk("t1/1", 1, [24, 2], [1, 1], done="stop"),
                 _chunk("t1/0", 1, [14, 15, 16, 17], [0, 0, 1, 1]),  # re-sent by its producer
+                _chunk("t1/3", 0, [40, 41, 42, 43], [1, 1, 1, 1]), _chunk("t1/3", 2, [48], [1]),  # a gap
                 _chunk("other/0", 0, [30, 31], [0, 0])]
         for c in dead:
             await rt.producer.send(names.tokens, c, key=c.sample_id)
@@ -125,7 +143,7 @@ async def test_the_next_actor_continues_each_sample_from_the_tokens_the_dead_one
         sup = _inference(rt, url, tokenizer, tmp_path)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sup.run)
-            await _until(lambda: len(_completions(log, names.completions)) == 3)
+            await _until(lambda: len(_completions(log, names.completions)) == 4)
             stats = sup.actors["inference"].statistics()
             sup.drain()
         new = [m for _, _, m in sorted(await log.read_since(names.tokens, before, expect=(TokenChunk.SCHEMA,)),
@@ -146,7 +164,14 @@ async def test_the_next_actor_continues_each_sample_from_the_tokens_the_dead_one
     assert not [c for c in new if c.sample_id == "t1/1"]
     # sample 2 had nothing on the topic: generated from scratch, from seq 0
     assert [c.seq for c in new if c.sample_id == "t1/2"][0] == 0 and len(done["t1/2"].response_ids) == 14
-    assert (stats["samples_taken_over"], stats["tokens_taken_over"]) == (2, 14)
+    # sample 3's stream had a gap after its chunk 0: continued from that chunk only, and said
+    c3 = done["t1/3"]
+    assert c3.response_ids[:4].tolist() == [40, 41, 42, 43] and len(c3.response_ids) == 14
+    assert [c.seq for c in new if c.sample_id == "t1/3"][0] == 1
+    assert (stats["samples_taken_over"], stats["tokens_taken_over"], stats["stream_breaks"]) == (3, 18, 1)
+    said = [r.getMessage() for r in caplog.records if "stream" in r.getMessage() and "broken" in r.getMessage()]
+    assert len(said) == 1 and "t1/3" in said[0] and "chunk 2 where 1 was next" in said[0]
+    assert "continues from its first 1 chunk(s)" in said[0]
 
 
 @pytest.mark.anyio

@@ -35,3 +35,12 @@ def sandbox_processes() -> set[int]:
             if UID_BASE <= uid < UID_BASE + UID_COUNT:
                 found.add(int(entry))
     return found
+
+
+def process_state(pid: int | str) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (``R``, ``S``, ``Z``, ...); empty once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
