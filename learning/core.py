@@ -1042,9 +1042,9 @@ def score_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], response_ids
 
     Exactly the learner's computation (``pack`` + ``packed_logprobs``: the fp32 log-softmax of ``logits /
     temperature``) over the sample's whole sequence in one forward pass, without a shared prefix: a learner
-    with ``learner.packing = "per_sample"`` gets bitwise these values in its training forward (packed rows
-    of other widths differ in the last bits) (docs/learner.md, "Train/serve
-    mismatch"). The local server's ``rescore`` reports these for every finished sample.
+    with ``learner.packing = "per_sample"`` gets bitwise these values in its training forward; packed rows of
+    other widths differ in the last bits (docs/learner.md, "Train/serve mismatch"). The local server's
+    ``rescore`` reports these for every finished sample.
     """
     n = len(response_ids)
     if n == 0:

@@ -12,14 +12,15 @@ Throughput is output tokens per second of the whole batch, end to end (re-scorin
     python -m loadtests.mismatch [--model-dir DIR] [--quick] [--json PATH]
 
 Then the learner's side: one training step (``Learner.train_on``, on a fresh copy of the served weights each
-time) on the fp32 re-scored samples, each packing (``learner.packing``): ``rows`` (padded rows, the default) and ``per_sample``
-(one forward per sample, ``score_tokens``' shapes), and ``rows_shared`` (rows with a group's prompt shared:
-the default config). The step's own same-version gap (``mismatch_max``, what the learner's metrics report) and
-its time: ``train_gap_<layout>_max``, ``train_step_s_<layout>`` (median), ``per_sample_step_cost`` = step time
-per_sample over rows, ``per_sample_step_cost_vs_default`` over rows_shared (repeats interleave the three).
+time) on the fp32 re-scored samples, in each layout of ``PACKINGS``: ``rows`` (``learner.packing = "rows"``,
+padded rows, ``share_prefix`` off), ``rows_shared`` (the same with a group's prompt shared: the default config)
+and ``per_sample`` (one forward per sample, ``score_tokens``' shapes). The step's own same-version gap
+(``mismatch_max``, what the learner's metrics report) and its time: ``train_gap_<layout>_max``,
+``train_step_s_<layout>`` (median), ``per_sample_step_cost`` = step time per_sample over rows,
+``per_sample_step_cost_vs_default`` over rows_shared (repeats interleave the three).
 
 ``--model-dir`` defaults to the prepared SmolLM2-135M-Instruct. Headline keys: ``rescore_cost_fp32``,
-``rescore_cost_bf16``, ``gap_<dtype>_<rescore|decode>_{p50,p99,max,rel_max}``, ``train_gap_<packing>_max``,
+``rescore_cost_bf16``, ``gap_<dtype>_<rescore|decode>_{p50,p99,max,rel_max}``, ``train_gap_<layout>_max``,
 ``per_sample_step_cost``.
 """
 

@@ -445,7 +445,11 @@ class PagedRunner(Runner):
         self.block_size = block_size
         self.max_blocks = self.pool.max_blocks
         """The pool's bound in blocks (``max_tokens // block_size``)."""
-        self.max_seqs = max_seqs
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences that may hold tables at once (the tables' bound)."""
+        return self.tables.max_seqs
 
     @property
     def k(self) -> list[torch.Tensor]:
