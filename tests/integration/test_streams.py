@@ -106,11 +106,19 @@ async def test_group_of_three_with_a_sigkill_loses_nothing(kafka_bootstrap, uniq
         total = sum(len(_ids(o)) for o in outs)
         assert total >= len(sent)  # duplicates (from the victim's uncommitted batch) are allowed
         assert any(len(_ids(outs[k])) > 0 for k in range(3) if k != victim)  # survivors took over
-        # the victim's partitions: a survivor's records of them say it owns them since after the kill (what an
-        # inference actor taking over needs, to know a record may have been worked on by the dead member)
-        victims = {p for p, _ in _owned(outs[victim])}
-        moved = [(p, ms) for k in range(3) if k != victim for p, ms in _owned(outs[k]) if p in victims]
-        assert moved and all(ms >= killed_ms for _, ms in moved)
+        # a partition the victim worked on: a survivor that owns it after the victim says it owns it since the
+        # victim lost it (at a revocation the victim wrote, else at the kill), never earlier: what an inference
+        # actor taking over needs, to know a record may have been worked on by the dead member. (The victim can
+        # have lost partitions to a rebalance before the kill: cooperative assignment moves them as members join.)
+        victim_since: dict[int, int] = {}
+        for p, ms in _owned(outs[victim]):
+            victim_since[p] = max(ms, victim_since.get(p, ms))
+        lost_at = {p: min([ms for q, ms in _revoked(outs[victim]) if q == p and ms >= since] + [killed_ms])
+                   for p, since in victim_since.items()}
+        moved = [(p, ms, lost_at[p]) for k in range(3) if k != victim for p, ms in _owned(outs[k])
+                 if p in victim_since and ms > victim_since[p]]
+        assert moved and all(ms >= lost for _, ms, lost in moved), (moved, killed_ms)
+        assert any(lost == killed_ms for _, _, lost in moved)  # the kill itself handed partitions over
         # a survivor's ownership time of a partition changes only when the group really took the partition from
         # it in between (the assignor is sticky; under load a member can be evicted and rejoin, or be given a
         # partition the victim held but had not read from yet): never a bump without a revocation
