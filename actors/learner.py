@@ -173,6 +173,8 @@ class LearnerActor(Actor):
         self.canary_tripped: str | None = None
         self.weights_check = WeightsCheck(self.cfg, rt.cfg.inference.dtype)
         """The canary's exact check against bf16 servers (expected values, servers that cannot answer)."""
+        self._canary_clients: dict[str, SGLangClient] = {}
+        """One client per probed server for this life: it remembers, say, a server without ``/get_weight_version``."""
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -222,6 +224,9 @@ class LearnerActor(Actor):
             await anyio.to_thread.run_sync(self._export, Path(self.cfg.export_dir))
 
     async def teardown(self) -> None:
+        clients, self._canary_clients = self._canary_clients, {}
+        for client in clients.values():
+            await client.aclose()
         if self.consumer is not None:
             consumer, self.consumer = self.consumer, None
             await consumer.close()
@@ -443,12 +448,14 @@ class LearnerActor(Actor):
         self._canary_next = time.monotonic() + 1.0  # a lagging server is probed again, once a second
         verdicts = []
         for url in self.probe_urls:
+            if url not in self._canary_clients:
+                self._canary_clients[url] = SGLangClient([url], timeout=self.rt.cfg.inference.request_timeout_s,
+                                                         api_key=self.rt.cfg.inference.resolved_api_key())
             try:
                 verdicts.append(await probe_server(url, self.learner, self.tokenizer, self.cfg, self._published_at,
-                                                   api_key=self.rt.cfg.inference.resolved_api_key(),
-                                                   timeout_s=self.rt.cfg.inference.request_timeout_s,
                                                    serving_dtype=self.rt.cfg.inference.dtype,
-                                                   weights_check=self.weights_check))
+                                                   weights_check=self.weights_check,
+                                                   client=self._canary_clients[url]))
             except (SGLangError, OSError) as exc:
                 log.warning("%s: canary could not probe %s: %s", self.name, url, exc)
                 return  # an unreachable server is the supervisor's business; probe again later
@@ -575,15 +582,20 @@ def _claimed_version(url: str, reported: str | None) -> int | canary.Verdict:
 async def probe_server(url: str, learner: Learner, tokenizer: PreTrainedTokenizerBase, cfg: LearnerConfig,
                        published_at: dict[int, float], *, api_key: str | None = None,
                        timeout_s: float = 60.0, serving_dtype: str = "fp32",
-                       weights_check: WeightsCheck | None = None) -> canary.Verdict:
+                       weights_check: WeightsCheck | None = None,
+                       client: SGLangClient | None = None) -> canary.Verdict:
     """One canary probe of the server at ``url`` (``learning/canary.py``). A bf16 server that can answer
     ``/get_weights_by_name`` is asked the version it serves (``/get_weight_version``) and, at the learner's
     version (no step since its publication), its weights are compared exactly (:class:`WeightsCheck`;
     ``weights_check`` keeps what it learned between probes): nothing is generated. Any other server generates
     a fixed prompt at temperature 1, and its probe log-probs at the version it claims are compared with the
-    learner's own."""
+    learner's own. ``client`` (the caller's, for ``url`` alone, kept open between probes so that what it learns
+    about the server lasts, such as an upstream SGLang without ``/get_weight_version``) is used where given;
+    otherwise one is made for this probe from ``api_key`` and ``timeout_s``."""
     check = weights_check if weights_check is not None else WeightsCheck(cfg, serving_dtype)
-    client = SGLangClient([url], timeout=timeout_s, api_key=api_key)
+    own = client is None
+    if client is None:
+        client = SGLangClient([url], timeout=timeout_s, api_key=api_key)
     try:
         if check.active and url not in check.unavailable:
             claimed = _claimed_version(url, await client.get_weight_version(url))
@@ -598,7 +610,8 @@ async def probe_server(url: str, learner: Learner, tokenizer: PreTrainedTokenize
                                                                 "temperature": 1.0, "sampling_seed": 0},
                                        rid=f"canary-{uuid.uuid4().hex[:8]}")
     finally:
-        await client.aclose()
+        if own:
+            await client.aclose()
     claimed = _claimed_version(url, result.weight_version)
     if isinstance(claimed, canary.Verdict):
         return claimed

@@ -45,8 +45,10 @@ be equal), reuses its base-model ("before") scores and scores only its own runs'
 so the combined JSON is what one long session would have written. Without ``--systems`` it runs the systems the
 file has no successful run of. A run already in the file with status ``ok`` is refused; a failed or
 "not installed" one is replaced. ``--first-seed N`` numbers this session's engine runs from seed N, so a
-session can add a second seed of a system the file already holds one of. The file records each session's machine (a different CPU count or model
-is warned about: the budget is wall-clock, so the sessions belong on one machine class).
+session can add a second seed of a system the file already holds one of. The file records each session's
+machine (a different CPU count or model is warned about: the budget is wall-clock, so the sessions belong on one
+machine class); where they did not, ``by_machine`` in the JSON and a last table give each CPU's runs, steps and
+figures apart, with adaptive - static on each, since a faster CPU trains more steps in the same budget.
 
 ``--quick`` checks the script: the tiny char model, the char domains (arith, code, terminal), a short budget,
 the two engine systems, one seed. Bad input (an unknown domain, one without a held-out split or not
@@ -766,6 +768,40 @@ def mean_gain_on(domains: dict[str, dict[str, Any]], system: str, names: list[st
     return _r(sum(vals) / len(vals)) if vals and len(vals) == len(gains) else None
 
 
+def machine_figures(runs: list[SystemResult], scores: dict[str, Any], domain_set: DomainSet,
+                    baselines: dict[str, tuple[float, str]], sessions: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per CPU model (from the session that ran each run, the latest one for a re-run): each system's runs, steps
+    and figures from that machine's runs alone, and adaptive - static there. The budget is wall-clock, so a
+    faster CPU trains more steps: figures pooled across machines compare machines as much as systems."""
+    where: dict[str, str] = {}
+    for session in sessions:
+        for name in session.get("runs", []):
+            where[name] = str((session.get("machine") or {}).get("cpu") or "unknown")
+    groups: dict[str, list[SystemResult]] = {}
+    for r in runs:
+        if r.status == "ok":
+            groups.setdefault(where.get(r.name, "unknown"), []).append(r)
+    out: dict[str, Any] = {}
+    for cpu, rs in groups.items():
+        domains = domain_figures(scores, rs, domain_set, baselines)
+        systems: dict[str, Any] = {}
+        for r in rs:
+            system = str(r.extra.get("system", r.name))
+            s = systems.setdefault(system, {"runs": [], "steps": 0, "samples_trained": 0})
+            s["runs"].append(r.name)
+            s["steps"] += r.steps
+            s["samples_trained"] += r.samples_trained
+        for system, s in systems.items():
+            s.update(system_figures(domains, system))
+        a, b = systems.get(HEADLINE, {}), systems.get("engine_static", {})
+        out[cpu] = {"systems": systems,
+                    "adaptive_minus_static_mean_gain": _r(a["mean_gain"] - b["mean_gain"])
+                    if a.get("mean_gain") is not None and b.get("mean_gain") is not None else None,
+                    "adaptive_minus_static_worst_gain": _r(a["worst_gain"] - b["worst_gain"])
+                    if a.get("worst_gain") is not None and b.get("worst_gain") is not None else None}
+    return out
+
+
 def summary(runs: list[SystemResult], scores: dict[str, Any], domain_set: DomainSet,
             baselines: dict[str, tuple[float, str]], *, args: argparse.Namespace, model_dir: str,
             infra_seconds: float | None, sessions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -801,6 +837,7 @@ def summary(runs: list[SystemResult], scores: dict[str, Any], domain_set: Domain
         "adaptive_minus_trl_mean_gain": _r(adaptive_shared - trl_shared)
         if adaptive_shared is not None and trl_shared is not None else None,
         "systems": systems, "domains": domains, "scores": scores, "sessions": sessions or [],
+        "by_machine": machine_figures(runs, scores, domain_set, baselines, sessions or []),
     }
 
 
@@ -834,6 +871,19 @@ def format_table(out: dict[str, Any]) -> str:
         for name, r in fig["runs"].items():
             if r.get("error"):
                 lines.append(f"  {name}: {r['error']}")
+    machines = out.get("by_machine") or {}
+    if len(machines) > 1:  # the pooled rows mix CPUs of different speeds: each machine's own figures
+        lines.append("")
+        lines.append(f"{'machine':<30}{'system':<18}{'runs':>5}{'steps':>7}{'mean gain':>11}{'worst':>8}{'up':>4}"
+                     f"{'down':>6}")
+        for cpu, m in machines.items():
+            for s, fig in m["systems"].items():
+                lines.append(f"{cpu[:29]:<30}{s:<18}{len(fig['runs']):>5}{fig['steps']:>7}"
+                             f"{f(fig['mean_gain'], '+.3f'):>11}{f(fig['worst_gain'], '+.3f'):>8}"
+                             f"{fig['domains_up']:>4}{fig['domains_down']:>6}")
+            if m["adaptive_minus_static_mean_gain"] is not None:
+                lines.append(f"{cpu[:29]:<30}adaptive - static: mean {f(m['adaptive_minus_static_mean_gain'], '+.3f')}, "
+                             f"worst {f(m['adaptive_minus_static_worst_gain'], '+.3f')}")
     return "\n".join(lines)
 
 

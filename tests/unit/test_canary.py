@@ -183,8 +183,11 @@ async def test_the_learner_role_says_so_loudly_and_stops_when_configured(served,
             await client.update_weight_version("1")  # blocked: the old weights stay
         finally:
             await client.aclose()
-        with pytest.raises(CanaryTripped, match="claims weight version 1"):
-            await actor._canary()
+        try:
+            with pytest.raises(CanaryTripped, match="claims weight version 1"):
+                await actor._canary()
+        finally:
+            await actor.teardown()  # closes the canary's client, kept between probes
         assert actor.canary_trips == 1 and actor.statistics()["canary_trips"] == 1
         assert any("CANARY TRIPPED" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
         status = json.loads(await rt.require_control().kv_get(rt.kv_bucket, Names.LEARNER_VERSION_KEY) or b"{}")
@@ -352,6 +355,32 @@ async def test_a_bf16_server_without_the_endpoint_gets_the_logprob_probe_said_on
     assert check.unavailable == {url}
     said = [r for r in caplog.records if "cannot answer /get_weights_by_name" in r.getMessage()]
     assert len(said) == 1 and said[0].levelname == "WARNING" and "HTTP 404" in said[0].getMessage()
+
+
+@pytest.mark.anyio
+async def test_a_client_kept_between_probes_asks_an_upstream_sglang_for_the_version_endpoint_once(tmp_path: Path) -> None:
+    """Upstream SGLang v0.5.15 answers ``/get_weight_version`` 404 and serves the version in ``/model_info``;
+    the learner keeps one client per server between probes, so that 404 comes once, not once per probe."""
+    asked: list[str] = []
+
+    async def upstream(request: web.Request, handler: Any) -> web.StreamResponse:
+        asked.append(request.path)
+        if request.path == "/get_weight_version":
+            return web.json_response({"detail": "Not Found"}, status=404)
+        return await handler(request)  # type: ignore[no-any-return]
+
+    model_dir = str(write_tiny_model_dir(tmp_path / "model", seed=0))
+    model, tokenizer = load_model_dir(model_dir)
+    learner = Learner(model, CFG, max_staleness=4)
+    check = WeightsCheck(CFG, "bf16")
+    async for url in _serve(model_dir, "bf16", lambda app: app.middlewares.append(web.middleware(upstream))):
+        async with SGLangClient([url]) as client:
+            for _ in range(3):
+                verdict = await probe_server(url, learner, tokenizer, CFG, {}, serving_dtype="bf16",
+                                             weights_check=check, client=client)
+                assert verdict.ok and verdict.exact, verdict
+            assert await client.get_weight_version(url) == "0"  # the caller's client: the probes left it open
+    assert asked.count("/get_weight_version") == 1 and asked.count("/model_info") == 4, asked
 
 
 @pytest.mark.anyio

@@ -231,6 +231,32 @@ def test_the_json_table_and_plot(tmp_path):
     assert (tmp_path / "md.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_runs_on_different_cpus_are_also_reported_machine_by_machine():
+    domains = md.DomainSet(["a", "b"], [], [])
+    scores = scores_for({"a": (2, 10), "b": (5, 10)},
+                        **{"engine_adaptive.s0": {"a": (6, 10), "b": (5, 10)}, "engine_static.s0": {"a": (4, 10), "b": (5, 10)},
+                           "engine_adaptive.s1": {"a": (9, 10), "b": (7, 10)}, "engine_static.s1": {"a": (10, 10), "b": (6, 10)}})
+    runs = [run_of("engine_adaptive", 0, a=1), run_of("engine_static", 0, a=1),
+            run_of("engine_adaptive", 1, a=1), run_of("engine_static", 1, a=1),
+            SystemResult("engine_static.s2", status="failed", extra={"system": "engine_static", "seed": 2})]
+    for r, steps in zip(runs, (10, 11, 20, 21)):
+        r.steps = steps
+    sessions = [{"runs": ["engine_adaptive.s0", "engine_static.s0"], "machine": {"cpu": "slow"}},
+                {"runs": ["engine_adaptive.s1", "engine_static.s1", "engine_static.s2"], "machine": {"cpu": "fast"}}]
+    out = md.summary(runs, scores, domains, {}, args=summary_args(), model_dir="/m", infra_seconds=None, sessions=sessions)
+    slow, fast = out["by_machine"]["slow"], out["by_machine"]["fast"]
+    assert slow["systems"]["engine_adaptive"]["runs"] == ["engine_adaptive.s0"] and slow["systems"]["engine_static"]["steps"] == 11
+    assert fast["systems"]["engine_static"]["runs"] == ["engine_static.s1"]  # a failed run has no figures
+    assert slow["adaptive_minus_static_mean_gain"] == 0.1 and slow["adaptive_minus_static_worst_gain"] == 0.0
+    assert fast["adaptive_minus_static_mean_gain"] == 0.0 and fast["adaptive_minus_static_worst_gain"] == 0.1
+    assert out["adaptive_minus_static_mean_gain"] == 0.05  # pooled: both machines' seeds
+    table = md.format_table(out)
+    assert "adaptive - static: mean +0.100, worst +0.000" in table and "adaptive - static: mean +0.000, worst +0.100" in table
+    one = md.summary(runs[:2], scores, domains, {}, args=summary_args(), model_dir="/m", infra_seconds=None,
+                     sessions=sessions[:1])
+    assert list(one["by_machine"]) == ["slow"] and "adaptive - static:" not in md.format_table(one)  # one machine: no table
+
+
 def test_a_crashing_run_is_reported_and_the_others_still_run(model_dir, tmp_path, monkeypatch, capsys):
     calls = []
 
