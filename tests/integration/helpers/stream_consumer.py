@@ -5,8 +5,8 @@ the first time it processes a record of partition P it owns since MS (``Record.o
 ``#revoked P MS`` when the group takes partition P from it at MS (revoked or lost, written and flushed by
 the consumer's rebalance callback before the partition is given up: under load a member can be evicted and
 get its own partitions back); appends the message id of every record it processes to OUT (one per line,
-flushed) *before* acknowledging it, commits after each batch, and exits 0 on SIGTERM after a clean close. A SIGKILL therefore leaves
-processed-but-uncommitted records, which the group must re-deliver elsewhere.
+flushed) *before* acknowledging it, commits after each batch, and exits 0 on SIGTERM after a clean close.
+A SIGKILL therefore leaves processed-but-uncommitted records, which the group must re-deliver elsewhere.
 """
 
 import argparse
@@ -62,6 +62,7 @@ async def main(args: argparse.Namespace) -> None:
                         os.fsync(out.fileno())
                 if records:
                     await consumer.commit()
+
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
