@@ -710,6 +710,11 @@ def _r(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else round(x, digits)
 
 
+def system_of(r: SystemResult) -> str:
+    """The system a run belongs to (its ``system`` extra; a run written without one is named after it)."""
+    return str(r.extra.get("system", r.name))
+
+
 def domain_figures(scores: dict[str, Any], runs: list[SystemResult], domains: DomainSet,
                    baselines: dict[str, tuple[float, str]]) -> dict[str, dict[str, Any]]:
     """Per domain: constant-answer baseline, before (base model) and per system after (seeds pooled), gain,
@@ -718,7 +723,7 @@ def domain_figures(scores: dict[str, Any], runs: list[SystemResult], domains: Do
     assert isinstance(base, dict)
     by_system: dict[str, list[SystemResult]] = {}
     for r in runs:
-        by_system.setdefault(str(r.extra.get("system", r.name)), []).append(r)
+        by_system.setdefault(system_of(r), []).append(r)
     out: dict[str, dict[str, Any]] = {}
     for d in domains.evaluated:
         b = base.get(d) or {}
@@ -786,19 +791,16 @@ def machine_figures(runs: list[SystemResult], scores: dict[str, Any], domain_set
         domains = domain_figures(scores, rs, domain_set, baselines)
         systems: dict[str, Any] = {}
         for r in rs:
-            system = str(r.extra.get("system", r.name))
-            s = systems.setdefault(system, {"runs": [], "steps": 0, "samples_trained": 0})
+            s = systems.setdefault(system_of(r), {"runs": [], "steps": 0, "samples_trained": 0})
             s["runs"].append(r.name)
             s["steps"] += r.steps
             s["samples_trained"] += r.samples_trained
         for system, s in systems.items():
             s.update(system_figures(domains, system))
         a, b = systems.get(HEADLINE, {}), systems.get("engine_static", {})
-        out[cpu] = {"systems": systems,
-                    "adaptive_minus_static_mean_gain": _r(a["mean_gain"] - b["mean_gain"])
-                    if a.get("mean_gain") is not None and b.get("mean_gain") is not None else None,
-                    "adaptive_minus_static_worst_gain": _r(a["worst_gain"] - b["worst_gain"])
-                    if a.get("worst_gain") is not None and b.get("worst_gain") is not None else None}
+        out[cpu] = {"systems": systems, **{f"adaptive_minus_static_{k}": _r(a[k] - b[k])
+                                           if a.get(k) is not None and b.get(k) is not None else None
+                                           for k in ("mean_gain", "worst_gain")}}
     return out
 
 
@@ -808,8 +810,7 @@ def summary(runs: list[SystemResult], scores: dict[str, Any], domain_set: Domain
     domains = domain_figures(scores, runs, domain_set, baselines)
     systems: dict[str, Any] = {}
     for r in runs:
-        system = str(r.extra.get("system", r.name))
-        s = systems.setdefault(system, {"runs": {}})
+        s = systems.setdefault(system_of(r), {"runs": {}})
         s["runs"][r.name] = r.to_json()
     for system, s in systems.items():
         s.update(system_figures(domains, system))
